@@ -1,0 +1,41 @@
+# elastic-mnist: every target creates .venv first when it is missing.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# make train: where the data, checkpoints and TensorBoard logs go, and what else to pass.
+DATA_DIR       ?= data
+CHECKPOINT_DIR ?= checkpoints
+LOGDIR         ?= runs
+TRAIN_ARGS     ?=
+PORT           ?= 6006
+
+.PHONY: install train test test-fast tensorboard lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[test,dev]'
+	touch $(STAMP)
+
+train: $(STAMP)
+	PATH=$(CURDIR)/$(BIN):$$PATH jobs/local.sh --data-dir $(DATA_DIR) --synthetic-fallback \
+		--checkpoint-dir $(CHECKPOINT_DIR) --logdir $(LOGDIR) $(TRAIN_ARGS)
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
+tensorboard: $(STAMP)
+	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --bind_all
+
+lint: $(STAMP)
+	$(BIN)/ruff check elastic_mnist scripts tests
+
+clean:
+	rm -rf $(VENV) build *.egg-info

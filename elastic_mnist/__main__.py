@@ -1,0 +1,5 @@
+import sys
+
+from elastic_mnist.cli import main
+
+sys.exit(main())

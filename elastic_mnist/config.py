@@ -1,0 +1,187 @@
+"""The job's configuration: dataclasses with a docstring per field, and one argparse over them.
+
+The docstring under each field is its ``--help`` text, so ``--help`` is the documentation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import textwrap
+import typing
+from dataclasses import dataclass, field
+from typing import Literal
+
+
+class ConfigError(ValueError):
+    """A flag's value is out of range or contradicts another flag."""
+
+
+@dataclass
+class DataConfig:
+    """Where the digits come from."""
+
+    data_dir: str = "data"
+    """Folder in torchvision's MNIST layout (<data-dir>/MNIST/raw/...)."""
+    dataset: Literal["mnist", "synthetic"] = "mnist"
+    """Real MNIST, or rendered synthetic digits (generated into --data-dir when absent)."""
+    download: bool = True
+    """Download MNIST when its files are missing (LOCAL_RANK 0 of each node, the others wait)."""
+    synthetic_fallback: bool = False
+    """When MNIST cannot be had, train on synthetic digits instead (with a loud warning)."""
+
+
+@dataclass
+class OptimConfig:
+    """How the model learns."""
+
+    epochs: int = 2
+    """Passes over the training set."""
+    max_steps: int = 0
+    """Stop after this many optimizer steps in total (0: no limit beyond --epochs)."""
+    global_batch_size: int = 128
+    """Samples per optimizer step, summed over all ranks, whatever the world size."""
+    micro_batch_size: int = 32
+    """Samples per forward pass; a global batch is cut into such micro-batches, shared by ranks."""
+    lr: float = 2e-3
+    """Peak learning rate of Adam."""
+    warmup_steps: int = 50
+    """Steps of linear learning-rate warm-up before the cosine decay."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW)."""
+    seed: int = 0
+    """Seed of the model's initialisation and of every epoch's sample order."""
+    grad_sync: Literal["ddp", "allreduce"] = "ddp"
+    """Gradient averaging: DistributedDataParallel, or a hand-written all-reduce (as the seeds)."""
+
+
+@dataclass
+class CheckpointConfig:
+    """What survives a restart."""
+
+    checkpoint_dir: str = "checkpoints"
+    """Folder of this run's checkpoints; a restarted job resumes from the newest valid one."""
+    checkpoint_every: int = 0
+    """Also save every N optimizer steps (0: only at epoch ends and at the end)."""
+    keep_last: int = 3
+    """Checkpoints kept on disk; older ones are pruned after a new one is committed."""
+
+
+@dataclass
+class RunConfig:
+    """Where the run reports, and on what it runs."""
+
+    logdir: str = "runs"
+    """TensorBoard root; rank 0 writes under <logdir>/<run id>."""
+    run_id: str = ""
+    """Name of the run (default: the one kept beside the checkpoints, else torchrun's, else new)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto: cuda:LOCAL_RANK with NCCL when a GPU is visible, else CPU with gloo."""
+    log_every: int = 20
+    """Log training scalars every N optimizer steps."""
+    pg_timeout: float = 120.0
+    """Seconds a collective may wait for a peer before the job fails (instead of hanging)."""
+    audit_samples: bool = False
+    """Every rank appends the sample indices of each step to <run dir>/audit/g<G>-r<R>.jsonl."""
+
+
+@dataclass
+class TrainConfig:
+    """Everything ``elastic-mnist train`` takes."""
+
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> None:
+        """Raises ConfigError with a one-line message naming the bad flag."""
+        o = self.optim
+        _positive("--epochs", o.epochs)
+        _positive("--global-batch-size", o.global_batch_size)
+        _positive("--micro-batch-size", o.micro_batch_size)
+        _positive("--log-every", self.run.log_every)
+        _positive("--keep-last", self.checkpoint.keep_last)
+        _positive("--pg-timeout", self.run.pg_timeout)
+        _positive("--lr", o.lr)
+        for flag, value in (("--max-steps", o.max_steps), ("--warmup-steps", o.warmup_steps),
+                            ("--checkpoint-every", self.checkpoint.checkpoint_every),
+                            ("--weight-decay", o.weight_decay)):
+            if value < 0:
+                raise ConfigError(f"{flag} must not be negative, got {value}")
+        if o.micro_batch_size > o.global_batch_size:
+            raise ConfigError(
+                f"--micro-batch-size ({o.micro_batch_size}) exceeds --global-batch-size "
+                f"({o.global_batch_size})"
+            )
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _positive(flag: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(f"{flag} must be positive, got {value}")
+
+
+# --- argparse over the dataclasses -------------------------------------------------------------
+
+
+@functools.cache
+def field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of a dataclass, read from its source."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
+            docs[node.target.id] = " ".join(str(after.value.value).split())
+    return docs
+
+
+def flag_name(name: str, default: object) -> str:
+    """``download`` (default True) becomes ``--no-download``; ``max_steps`` ``--max-steps``."""
+    stem = name.replace("_", "-")
+    return f"--no-{stem}" if default is True else f"--{stem}"
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type,
+                            only: tuple[str, ...] | None = None) -> None:
+    """Adds one flag per field of ``cls`` (or of the fields in ``only``) to ``parser``."""
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls)
+    group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip())
+    for f in dataclasses.fields(cls):
+        if only is not None and f.name not in only:
+            continue
+        kind, default = hints[f.name], f.default
+        help_text = docs.get(f.name, "")
+        if kind is bool:
+            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
+                               action="store_false" if default else "store_true",
+                               help=f"Turn off: {help_text}" if default else help_text)
+        elif typing.get_origin(kind) is Literal:
+            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
+                               choices=typing.get_args(kind),
+                               help=f"{help_text} (default: {default})")
+        else:
+            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
+                               type=kind, metavar=f.name.upper(),
+                               help=f"{help_text} (default: {default!r})")
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    for f in dataclasses.fields(TrainConfig):
+        add_dataclass_arguments(parser, f.default_factory)
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    sections = {}
+    for f in dataclasses.fields(TrainConfig):
+        cls = f.default_factory
+        sections[f.name] = cls(**{g.name: getattr(args, g.name) for g in dataclasses.fields(cls)})
+    return TrainConfig(**sections)

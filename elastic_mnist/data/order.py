@@ -1,0 +1,55 @@
+"""Which samples each step uses: a global order per epoch and a cursor into it.
+
+An epoch's order is a permutation fixed by (seed, epoch). A step takes the next global batch of it
+and cuts that into fixed-size micro-batches, which the ranks share round-robin. Since the cursor
+counts samples of the *global* order, a job restarted at any world size carries on where it
+stopped: every sample is used exactly once per epoch, none dropped, none repeated.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    """The global sample order of one epoch (int64 [n]), the same on every rank and machine."""
+    mixed = int(np.random.SeedSequence([seed, epoch]).generate_state(1, np.uint64)[0] >> 1)
+    return torch.randperm(n, generator=torch.Generator().manual_seed(mixed))
+
+
+@dataclass(frozen=True)
+class SampleOrder:
+    """Global batches of a dataset of ``num_samples``, cut into micro-batches."""
+
+    num_samples: int
+    global_batch_size: int
+    micro_batch_size: int
+    seed: int
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return math.ceil(self.num_samples / self.global_batch_size)
+
+    @functools.lru_cache(maxsize=2)
+    def permutation(self, epoch: int) -> torch.Tensor:
+        return epoch_permutation(self.seed, epoch, self.num_samples)
+
+    def global_batch(self, epoch: int, cursor: int) -> torch.Tensor:
+        """Sample indices of the step that starts at ``cursor`` samples into ``epoch``."""
+        if not 0 <= cursor < self.num_samples:
+            raise ValueError(f"cursor {cursor} outside an epoch of {self.num_samples} samples")
+        return self.permutation(epoch)[cursor:cursor + self.global_batch_size]
+
+    def micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
+        """A global batch cut into micro-batches; only the last may be shorter."""
+        return list(torch.split(batch, self.micro_batch_size))
+
+
+def share(micro_batches: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
+    """The micro-batches that ``rank`` computes: every ``world_size``-th, starting at ``rank``."""
+    return micro_batches[rank::world_size]

@@ -1,0 +1,77 @@
+"""Device choice, the process group's lifecycle, and the few collectives the job uses."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from elastic_mnist.env import DistEnv, EnvError
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(choice: str, env: DistEnv) -> torch.device:
+    """``cuda:LOCAL_RANK`` or ``cpu``, per ``--device``; raises EnvError when it cannot be had."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise EnvError("--device cuda was asked for, but no CUDA GPU is visible")
+    visible = torch.cuda.device_count()
+    if env.local_rank >= visible:
+        raise EnvError(f"LOCAL_RANK={env.local_rank} but only {visible} GPU(s) are visible; "
+                       f"lower --nproc_per_node")
+    return torch.device("cuda", env.local_rank)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+@contextlib.contextmanager
+def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
+    """Joins the job's process group for the duration of the block, and always leaves it."""
+    if not env.is_distributed:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend=backend_for(device),
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def is_active() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce; a no-op in a single process."""
+    if is_active():
+        dist.all_reduce(tensor, op=op)
+    return tensor
+
+
+def all_agree(ok: bool, device: torch.device) -> bool:
+    """True only if ``ok`` holds on every rank."""
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    return bool(all_reduce_(flag, dist.ReduceOp.MIN).item())
+
+
+def broadcast_object(obj: object, src: int, device: torch.device) -> object:
+    """``obj`` as held by rank ``src``, on every rank."""
+    if not is_active():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=src, device=device if device.type == "cuda" else None)
+    return holder[0]

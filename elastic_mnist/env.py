@@ -1,0 +1,120 @@
+"""Who this process is: torchrun's environment, read and validated in one place.
+
+Everything else receives a :class:`DistEnv` as an argument; nothing else reads these variables.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+class EnvError(ValueError):
+    """The torchrun environment is missing a variable or contradicts itself."""
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """The torchrun environment of one worker process."""
+
+    rank: int = 0
+    """Global rank of this process (``RANK``)."""
+    local_rank: int = 0
+    """Rank of this process on its node (``LOCAL_RANK``); also its GPU index."""
+    world_size: int = 1
+    """Number of processes in the job (``WORLD_SIZE``)."""
+    local_world_size: int = 1
+    """Number of processes on this node (``LOCAL_WORLD_SIZE``)."""
+    group_rank: int = 0
+    """Rank of this node among the nodes (``GROUP_RANK``)."""
+    restart_count: int = 0
+    """How many times torchrun restarted this node's workers (``TORCHELASTIC_RESTART_COUNT``)."""
+    run_id: str | None = None
+    """The rendezvous id (``TORCHELASTIC_RUN_ID``); None when torchrun did not name one."""
+    master_addr: str | None = None
+    """Address of the rank-0 store (``MASTER_ADDR``)."""
+    master_port: int | None = None
+    """Port of the rank-0 store (``MASTER_PORT``)."""
+    launched: bool = False
+    """True when a launcher (torchrun) set ``RANK`` and ``WORLD_SIZE``."""
+
+    @property
+    def is_main(self) -> bool:
+        """True on the one process that writes logs, events and checkpoints."""
+        return self.rank == 0
+
+    @property
+    def is_local_main(self) -> bool:
+        """True on the one process per node that prepares node-local files."""
+        return self.local_rank == 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True when a process group must be created."""
+        return self.launched
+
+    @classmethod
+    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
+        """Builds the environment from ``os.environ`` (or ``environ``), raising EnvError if bad."""
+        env = os.environ if environ is None else environ
+        has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
+        if has_rank != has_world:
+            missing = "WORLD_SIZE" if has_rank else "RANK"
+            present = "RANK" if has_rank else "WORLD_SIZE"
+            raise EnvError(f"{present} is set but {missing} is not; launch with torchrun")
+        if not has_rank:
+            return cls(restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0))
+
+        world_size = _int(env, "WORLD_SIZE", minimum=1)
+        rank = _int(env, "RANK", minimum=0)
+        if rank >= world_size:
+            raise EnvError(f"RANK={rank} must be below WORLD_SIZE={world_size}")
+        local_world_size = _int(env, "LOCAL_WORLD_SIZE", world_size, minimum=1)
+        if local_world_size > world_size:
+            raise EnvError(
+                f"LOCAL_WORLD_SIZE={local_world_size} exceeds WORLD_SIZE={world_size}"
+            )
+        local_rank = _int(env, "LOCAL_RANK", rank if world_size == local_world_size else None,
+                          minimum=0)
+        if local_rank >= local_world_size:
+            raise EnvError(
+                f"LOCAL_RANK={local_rank} must be below LOCAL_WORLD_SIZE={local_world_size}"
+            )
+        run_id = env.get("TORCHELASTIC_RUN_ID") or None
+        master_port = env.get("MASTER_PORT")
+        return cls(
+            rank=rank,
+            local_rank=local_rank,
+            world_size=world_size,
+            local_world_size=local_world_size,
+            group_rank=_int(env, "GROUP_RANK", 0, minimum=0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
+            run_id=None if run_id == "none" else run_id,
+            master_addr=env.get("MASTER_ADDR") or None,
+            master_port=None if master_port is None else _int(env, "MASTER_PORT", minimum=1),
+            launched=True,
+        )
+
+    def describe(self) -> str:
+        """One line for logs: rank, world and restart."""
+        return (
+            f"rank {self.rank}/{self.world_size} (local {self.local_rank}/"
+            f"{self.local_world_size}, node {self.group_rank}), restart {self.restart_count}"
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int | None = None, *,
+         minimum: int) -> int:
+    raw = env.get(name)
+    if raw is None:
+        if default is None:
+            raise EnvError(f"{name} is not set; launch with torchrun")
+        return default
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise EnvError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise EnvError(f"{name}={value} must be at least {minimum}")
+    return value

@@ -1,0 +1,169 @@
+"""Assembling one worker's training job: identity, data, resume, writers, the loop."""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import platform
+import sys
+import uuid
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from elastic_mnist import distributed
+from elastic_mnist.checkpoint import (
+    Checkpointer,
+    NullCheckpointer,
+    deserialize,
+    newest_valid,
+    read_run_file,
+    write_run_file,
+)
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.data.datasets import (
+    SYNTHETIC_WARNING,
+    DataError,
+    Dataset,
+    dataset_root,
+    load,
+    prepare,
+)
+from elastic_mnist.env import DistEnv
+from elastic_mnist.logs import add_file_handler
+from elastic_mnist.metrics import TensorBoardMetrics
+from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
+from elastic_mnist.trainer import AuditLog, Trainer
+
+log = logging.getLogger(__name__)
+
+
+def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
+    """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED)."""
+    checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
+    run_id, generation = resolve_run_identity(cfg, env, device)
+    run_dir = Path(cfg.run.logdir) / run_id
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        add_file_handler(str(run_dir / "train.log"))
+    log.info("run %s, generation %d: %s on %s", run_id, generation, env.describe(), device)
+
+    dataset = prepare_dataset(cfg, env, device)
+    if dataset.is_synthetic and cfg.data.dataset == "mnist":
+        log.warning("%s", SYNTHETIC_WARNING)
+    log.info("data: %s", dataset.describe())
+
+    audit_path = run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
+    checkpointer = (Checkpointer(checkpoint_dir, every=cfg.checkpoint.checkpoint_every,
+                                 keep_last=cfg.checkpoint.keep_last,
+                                 restart_generation=generation)
+                    if env.is_main else NullCheckpointer())
+    trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
+                      checkpointer=checkpointer,
+                      audit=AuditLog(audit_path if cfg.run.audit_samples else None))
+    resume = find_resume_payload(checkpoint_dir, env, device)
+    if resume is not None:
+        payload, source = resume
+        trainer.restore(payload, source)
+        log.info("resumed from %s: step %d, epoch %d, %d samples into it (saved at world size "
+                 "%d, now %d)", source, trainer.progress.step, trainer.progress.epoch,
+                 trainer.progress.cursor, payload["world_size"], env.world_size)
+    if env.is_main:
+        # Steps after the checkpoint were lost with the old workers: hide what they logged.
+        trainer.metrics = TensorBoardMetrics(run_dir, purge_step=trainer.progress.step + 1)
+        trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer))
+
+    try:
+        with stop_on_signals() as stop:
+            outcome = trainer.fit(stop)
+        checkpointer.wait()
+    finally:
+        checkpointer.close()
+        trainer.metrics.close()
+        trainer.audit.close()
+    if outcome == "preempted":
+        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d",
+                    trainer.progress.step, stop.signal_name, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    log.info("finished at step %d", trainer.progress.step)
+    return 0
+
+
+def resolve_run_identity(cfg: TrainConfig, env: DistEnv, device: torch.device) -> tuple[str, int]:
+    """The run id (flag, else the one beside the checkpoints, else torchrun's, else new) and this
+    start's restart generation (one more than any before it in this checkpoint folder)."""
+    checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
+    record = read_run_file(checkpoint_dir)
+    previous = torch.tensor([record.get("restart_generation", -1)], device=device)
+    generation = int(distributed.all_reduce_(previous, dist.ReduceOp.MAX).item()) + 1
+    run_id = cfg.run.run_id or record.get("run_id") or env.run_id or new_run_id()
+    run_id = distributed.broadcast_object(run_id, src=0, device=device)
+    if env.is_local_main:
+        checkpoint_dir.mkdir(parents=True, exist_ok=True)
+        write_run_file(checkpoint_dir, run_id, generation)
+    return run_id, generation
+
+
+def new_run_id() -> str:
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%d-%H%M%S")
+    return f"run-{stamp}-{uuid.uuid4().hex[:6]}"
+
+
+def prepare_dataset(cfg: TrainConfig, env: DistEnv, device: torch.device) -> Dataset:
+    """LOCAL_RANK 0 of each node prepares the files while the others wait; all then load them."""
+    error: DataError | None = None
+    kind = cfg.data.dataset
+    if env.is_local_main:
+        try:
+            kind = prepare(Path(cfg.data.data_dir), cfg.data.dataset,
+                           download=cfg.data.download,
+                           synthetic_fallback=cfg.data.synthetic_fallback)
+        except DataError as e:
+            error = e
+    outcome = torch.tensor([error is not None, kind == "synthetic"], dtype=torch.int32,
+                           device=device)
+    failed, synthetic = distributed.all_reduce_(outcome, dist.ReduceOp.MAX).tolist()
+    if error is not None:
+        raise error
+    if failed:
+        raise DataError("preparing the data failed on another node; see its log")
+    kind = "synthetic" if synthetic else "mnist"
+    return load(dataset_root(Path(cfg.data.data_dir), cfg.data.dataset, kind), kind)
+
+
+def find_resume_payload(checkpoint_dir: Path, env: DistEnv,
+                        device: torch.device) -> tuple[dict, str] | None:
+    """The newest valid checkpoint on any rank, agreed by all; its holder shares it when the
+    checkpoint folders are node-local and not every rank has it."""
+    found = newest_valid(checkpoint_dir) if checkpoint_dir.exists() else None
+    mine = found[0].step if found else -1
+    best = int(distributed.all_reduce_(torch.tensor([mine], device=device),
+                                       dist.ReduceOp.MAX).item())
+    if best < 0:
+        return None
+    if distributed.all_agree(mine == best, device):
+        manifest, data = found
+    else:
+        candidate = torch.tensor([env.rank if mine == best else env.world_size], device=device)
+        holder = int(distributed.all_reduce_(candidate, dist.ReduceOp.MIN).item())
+        manifest, data = distributed.broadcast_object(
+            found if env.rank == holder else None, src=holder, device=device)
+        log.warning("checkpoint step %d came from rank %d", best, holder)
+    source = str(checkpoint_dir / manifest.file)
+    return deserialize(data, source), source
+
+
+def launch_summary(cfg: TrainConfig, env: DistEnv, device: torch.device, dataset: Dataset,
+                   trainer: Trainer) -> str:
+    """The text entry of one launch, for TensorBoard."""
+    lines = [
+        f"command: `{' '.join(sys.argv)}`",
+        f"torch {torch.__version__}, python {platform.python_version()}, host {platform.node()}",
+        f"world: {env.describe()}, device {device}",
+        f"data: {dataset.describe()}",
+        f"resumed from step: {trainer.resumed_from}",
+    ]
+    if dataset.is_synthetic:
+        lines.append(f"**{SYNTHETIC_WARNING}**")
+    return "  \n".join(lines)

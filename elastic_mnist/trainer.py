@@ -1,0 +1,366 @@
+"""The training loop: global batches cut into micro-batches, shared by however many ranks there are.
+
+The applied gradient is the mean over the global batch whatever the world size: each micro-batch's
+summed loss is divided by the global batch's size, and gradients are *summed* across ranks. A rank
+left without a micro-batch (more ranks than micro-batches) still joins the gradient sync with a pass
+that counts for nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import random
+import time
+import warnings
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from elastic_mnist import distributed
+from elastic_mnist.batchnorm import GlobalBatchNormStats
+from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.data.datasets import Dataset, Digits
+from elastic_mnist.data.order import SampleOrder, share
+from elastic_mnist.env import DistEnv
+from elastic_mnist.metrics import NullMetrics
+from elastic_mnist.model import build_model
+from elastic_mnist.preemption import StopRequest
+
+log = logging.getLogger(__name__)
+
+# Config fields that fix which samples each step sees: a checkpoint written under other values
+# cannot be continued exactly.
+RESUME_INVARIANTS = (("optim", "seed"), ("optim", "global_batch_size"),
+                     ("optim", "micro_batch_size"))
+
+
+@dataclass
+class Progress:
+    """Where training stands; the data cursor is ``cursor`` samples into ``epoch``'s order."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    samples_seen: int = 0
+
+
+@dataclass
+class StepResult:
+    loss: float
+    accuracy: float
+    samples: int
+    stop_requested: bool
+
+
+def sum_allreduce_hook(process_group, bucket):
+    """DDP communication hook that sums gradients (the loss is already divided by the batch).
+
+    Unannotated on purpose: DDP checks the annotations' runtime values, which postponed
+    annotations turn into strings.
+    """
+    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
+    """Linear warm-up to ``peak`` over ``warmup`` steps, then cosine decay to zero at ``total``."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return peak * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+class AuditLog:
+    """``--audit-samples``: one JSON line per step with the sample indices this rank used."""
+
+    def __init__(self, path: Path | None):
+        self.file = None
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.file = open(path, "a", buffering=1)
+
+    def record(self, step: int, epoch: int, rank: int, world_size: int,
+               indices: list[int]) -> None:
+        if self.file is not None:
+            self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
+                                        "world_size": world_size, "indices": indices}) + "\n")
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEnv,
+             batch_size: int = 1000) -> tuple[float, float]:
+    """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce."""
+    was_training = model.training
+    model.eval()
+    mine = torch.arange(env.rank, len(digits), env.world_size)
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for indices in torch.split(mine, batch_size):
+        images, labels = digits.batch(indices.to(digits.labels.device))
+        logits = model(images.to(device, non_blocking=True))
+        labels = labels.to(device, non_blocking=True)
+        totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += labels.numel()
+    distributed.all_reduce_(totals)
+    model.train(was_training)
+    loss_sum, correct, count = totals.tolist()
+    return loss_sum / max(count, 1), correct / max(count, 1)
+
+
+class Trainer:
+    """Owns the model, optimizer and progress of one worker, and runs the loop."""
+
+    def __init__(self, cfg: TrainConfig, env: DistEnv, device: torch.device, dataset: Dataset, *,
+                 run_id: str, restart_generation: int,
+                 metrics: NullMetrics | None = None,
+                 checkpointer: NullCheckpointer | None = None,
+                 audit: AuditLog | None = None):
+        self.cfg, self.env, self.device = cfg, env, device
+        self.run_id, self.restart_generation = run_id, restart_generation
+        self.dataset = dataset
+        self.train_data = dataset.train.to(device)
+        self.metrics = metrics or NullMetrics()
+        self.checkpointer = checkpointer or NullCheckpointer()
+        self.audit = audit or AuditLog(None)
+        o = cfg.optim
+        self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
+                                 o.seed)
+        self.total_steps = o.epochs * self.order.steps_per_epoch
+        if o.max_steps:
+            self.total_steps = min(self.total_steps, o.max_steps)
+
+        self.model = build_model(o.seed).to(device)
+        self.bn_stats = GlobalBatchNormStats(self.model)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
+                                           weight_decay=o.weight_decay)
+        self.ddp: DistributedDataParallel | None = None
+        if env.world_size > 1 and o.grad_sync == "ddp":
+            with warnings.catch_warnings():  # its successor would sync buffers at start-up
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
+                self.ddp = DistributedDataParallel(
+                    self.model, device_ids=[device.index] if device.type == "cuda" else None,
+                    broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
+                    bucket_cap_mb=1, gradient_as_bucket_view=True)
+            self.ddp.register_comm_hook(None, sum_allreduce_hook)
+        elif env.world_size > 1:
+            for tensor in self.model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        self.net: nn.Module = self.ddp if self.ddp is not None else self.model
+        self.progress = Progress()
+        self.last_step_ms = 0.0
+        self.resumed_from: int | None = None
+
+    # --- state ---------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to continue exactly: the payload of a checkpoint."""
+        return {
+            "format": 1,
+            "model": self.model.state_dict(),  # the unwrapped module, never the DDP wrapper
+            "optimizer": self.optimizer.state_dict(),
+            "progress": asdict(self.progress),
+            "rng": {"torch": torch.get_rng_state(),
+                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
+                    "python": list(random.getstate()[1])},
+            "config": self.cfg.to_dict(),
+            "data": {"kind": self.dataset.kind, "num_train": len(self.dataset.train)},
+            "world_size": self.env.world_size,
+            "run_id": self.run_id,
+        }
+
+    def restore(self, payload: dict[str, Any], source: str) -> None:
+        """Continues from a checkpoint's payload, or says precisely why it does not fit."""
+        check_compatible(payload, self.model, self.cfg, self.dataset, source)
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        for group in self.optimizer.param_groups:  # flags may change between launches
+            group["weight_decay"] = self.cfg.optim.weight_decay
+        self.progress = Progress(**payload["progress"])
+        rng = payload["rng"]
+        torch.set_rng_state(rng["torch"])
+        if self.device.type == "cuda" and rng["cuda"]:
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        state = random.getstate()
+        random.setstate((state[0], tuple(rng["python"]), state[2]))
+        self.resumed_from = self.progress.step
+
+    # --- the loop ------------------------------------------------------------------------------
+
+    def done(self) -> bool:
+        return self.progress.step >= self.total_steps
+
+    def fit(self, stop: StopRequest) -> str:
+        """Trains until done or asked to stop; returns 'finished' or 'preempted'."""
+        window = _Window()
+        while not self.done():
+            batch = self.order.global_batch(self.progress.epoch, self.progress.cursor)
+            result = self.train_step(batch, stop.requested)
+            epoch_ended = self.advance(len(batch))
+            window.add(result)
+            if self.should_log() or epoch_ended:
+                self.log_training(window.drain())
+            if epoch_ended or self.done():
+                self.log_evaluation()
+            if self.checkpointer.maybe_save(self.state, self.progress.step,
+                                            epoch_end=epoch_ended,
+                                            final=self.done() or result.stop_requested):
+                self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
+            if result.stop_requested:
+                return "preempted"
+        return "finished"
+
+    def train_step(self, batch: torch.Tensor, stop_requested: bool) -> StepResult:
+        """One optimizer step over a global batch; all ranks learn whether any wants to stop."""
+        step_start = time.perf_counter()
+        lr = lr_at(self.progress.step, self.cfg.optim.lr, self.cfg.optim.warmup_steps,
+                   self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        micro_batches = self.order.micro_batches(batch)
+        mine = share(micro_batches, self.env.rank, self.env.world_size)
+        counts = bool(mine)
+        if not counts:  # more ranks than micro-batches: join the sync with a pass worth nothing
+            mine = micro_batches[:1]
+        scale = 1.0 / len(batch) if counts else 0.0
+
+        self.bn_stats.begin_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
+        correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        for i, indices in enumerate(mine):
+            images, labels = self.train_data.batch(indices.to(self.train_data.labels.device))
+            with self.bn_stats.record(counts), self._sync_gradients(i == len(mine) - 1):
+                logits = self.net(images)
+                loss = F.cross_entropy(logits, labels, reduction="sum")
+                (loss * scale).backward()
+            if counts:
+                loss_sum += loss.detach().double()
+                correct += (logits.detach().argmax(1) == labels).sum()
+        if self.ddp is None and self.env.world_size > 1:
+            self._all_reduce_gradients()
+
+        # One collective for the step's scalars: loss, accuracy, stop flag, BatchNorm statistics.
+        flag = torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64,
+                            device=self.device)
+        packed = torch.cat([loss_sum.view(1), correct.view(1), flag,
+                            self.bn_stats.local_sums(self.device)])
+        distributed.all_reduce_(packed)
+        self.bn_stats.apply(packed[3:])
+        self.optimizer.step()
+
+        self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
+                          self.env.world_size, torch.cat(mine).tolist() if counts else [])
+        loss_total, correct_total, stops = packed[:3].tolist()
+        self.last_step_ms = (time.perf_counter() - step_start) * 1e3
+        return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
+                          samples=len(batch), stop_requested=stops > 0)
+
+    def _sync_gradients(self, last_micro_batch: bool):
+        """DDP syncs gradients on a rank's last micro-batch only (accumulating before it)."""
+        if self.ddp is None or last_micro_batch:
+            return contextlib.nullcontext()
+        return self.ddp.no_sync()
+
+    def _all_reduce_gradients(self) -> None:
+        """The seeds' hand-written gradient sync (``--grad-sync allreduce``), summing."""
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+
+    def advance(self, samples: int) -> bool:
+        """Moves the cursor past a completed step; True if that step ended the epoch."""
+        p = self.progress
+        p.step += 1
+        p.samples_seen += samples
+        p.cursor += samples
+        if p.cursor >= self.order.num_samples:
+            p.epoch, p.cursor = p.epoch + 1, 0
+            return True
+        return False
+
+    # --- reporting -----------------------------------------------------------------------------
+
+    def should_log(self) -> bool:
+        return self.progress.step % self.cfg.run.log_every == 0 or self.done()
+
+    def log_training(self, window: dict[str, float]) -> None:
+        p = self.progress
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.metrics.scalars(p.step, {
+            "train/loss": window["loss"], "train/accuracy": window["accuracy"],
+            "opt/lr": lr, "perf/samples_per_s": window["samples_per_s"],
+            "perf/step_ms": window["step_ms"], "elastic/world_size": self.env.world_size,
+        })
+        log.info("epoch %d step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
+                 p.epoch + (p.cursor > 0), p.step, self.total_steps, window["loss"],
+                 100 * window["accuracy"], lr, window["samples_per_s"])
+
+    def log_evaluation(self) -> tuple[float, float]:
+        loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env)
+        self.metrics.scalars(self.progress.step, {"test/loss": loss, "test/accuracy": accuracy})
+        self.metrics.flush()
+        log.info("epoch %d done: test loss %.4f, test accuracy %.2f%%", self.progress.epoch,
+                 loss, 100 * accuracy)
+        return loss, accuracy
+
+
+class _Window:
+    """Means of the step results since the last log line."""
+
+    def __init__(self) -> None:
+        self.results: list[StepResult] = []
+        self.start = time.perf_counter()
+
+    def add(self, result: StepResult) -> None:
+        self.results.append(result)
+
+    def drain(self) -> dict[str, float]:
+        elapsed = time.perf_counter() - self.start
+        samples = sum(r.samples for r in self.results)
+        summary = {
+            "loss": sum(r.loss * r.samples for r in self.results) / samples,
+            "accuracy": sum(r.accuracy * r.samples for r in self.results) / samples,
+            "samples_per_s": samples / elapsed,
+            "step_ms": 1e3 * elapsed / len(self.results),
+        }
+        self.results, self.start = [], time.perf_counter()
+        return summary
+
+
+def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig,
+                     dataset: Dataset, source: str) -> None:
+    """Raises CheckpointError naming the first mismatch between a checkpoint and this run."""
+    theirs, ours = payload["model"], model.state_dict()
+    if set(theirs) != set(ours):
+        missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        raise CheckpointError(f"{source} is from a different model: missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}")
+    for key, tensor in ours.items():
+        if tuple(theirs[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{source} is from a different model: {key} has shape "
+                                  f"{tuple(theirs[key].shape)}, this model {tuple(tensor.shape)}")
+    for section, name in RESUME_INVARIANTS:
+        was = payload["config"][section][name]
+        now = getattr(getattr(cfg, section), name)
+        if was != now:
+            raise CheckpointError(f"{source} was written with --{name.replace('_', '-')}={was}, "
+                                  f"this run has {now}; use another --checkpoint-dir")
+    data = payload["data"]
+    if (data["kind"], data["num_train"]) != (dataset.kind, len(dataset.train)):
+        raise CheckpointError(f"{source} was trained on {data['num_train']} {data['kind']} "
+                              f"samples, this run has {len(dataset.train)} {dataset.kind}")

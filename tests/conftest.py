@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
+
+
+@pytest.fixture(scope="session")
+def tiny_digits(tmp_path_factory) -> Path:
+    """A small synthetic dataset (640 train, 256 test) written once by `elastic-mnist synth`."""
+    from elastic_mnist.data.datasets import write_synthetic
+
+    root = tmp_path_factory.mktemp("tiny-digits")
+    write_synthetic(root, train=640, test=256, seed=3)
+    return root
+
+
+@pytest.fixture(scope="session")
+def real_split(tmp_path_factory) -> Path:
+    """The real MNIST test digits as an 8,000/2,000 train/test split; skips when absent."""
+    if not REAL_MNIST.is_dir():
+        pytest.skip(f"real MNIST digits not found at {REAL_MNIST}")
+    import gzip
+
+
+    from elastic_mnist.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx, write_idx
+
+    root = tmp_path_factory.mktemp("real-split")
+    raw = root / "MNIST" / "raw"
+    tmp = root / "unpacked"
+    tmp.mkdir()
+    for name in ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"):
+        (tmp / name).write_bytes(gzip.decompress((REAL_MNIST / f"{name}.gz").read_bytes()))
+    images = read_idx(tmp / "t10k-images-idx3-ubyte", IMAGES_MAGIC)
+    labels = read_idx(tmp / "t10k-labels-idx1-ubyte", LABELS_MAGIC)
+    for prefix, sl in (("train", slice(0, 8000)), ("t10k", slice(8000, 10000))):
+        write_idx(raw / f"{prefix}-images-idx3-ubyte", images[sl])
+        write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[sl])
+    return root

@@ -1,0 +1,69 @@
+"""Launching the job for real in tests: torchrun in a subprocess, killed as a whole tree."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                 "MASTER_ADDR", "MASTER_PORT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without any launcher's variables, one thread per worker."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env["OMP_NUM_THREADS"] = "1"
+    env.update(extra)
+    return env
+
+
+def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={nproc}", f"--max_restarts={max_restarts}",
+            "--monitor_interval=0.2", "-m", "elastic_mnist", *args]
+
+
+def cli_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "elastic_mnist", *args]
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every descendant (torchrun's workers live in sessions of their own)."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=10)
+
+
+def start(cmd: list[str], log: Path | None = None, env: dict[str, str] | None = None,
+          cwd: Path | None = None) -> subprocess.Popen:
+    out = open(log, "w") if log else subprocess.PIPE  # noqa: SIM115 - handed to the child
+    return subprocess.Popen(cmd, cwd=cwd or REPO, env=env or clean_env(), stdout=out,
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def run(cmd: list[str], timeout: float = 240, env: dict[str, str] | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """Runs ``cmd`` to completion (stdout and stderr together); kills its tree on timeout."""
+    proc = start(cmd, env=env, cwd=cwd)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_tree(proc.pid)
+        out, _ = proc.communicate()
+        raise AssertionError(f"{' '.join(cmd)} timed out after {timeout}s:\n{out}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")

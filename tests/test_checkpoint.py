@@ -1,0 +1,113 @@
+import json
+import os
+
+import pytest
+import torch
+
+from elastic_mnist.checkpoint import (Checkpointer, CheckpointError, deserialize, list_manifests,
+                                      newest_valid, write_checkpoint)
+from elastic_mnist.model import build_model, state_digest
+from launch import cli_cmd, run
+
+
+def payload(step: int, seed: int = 0) -> dict:
+    return {"format": 1, "model": build_model(seed).state_dict(), "optimizer": {},
+            "progress": {"step": step, "epoch": 0, "cursor": step * 8, "samples_seen": step * 8},
+            "rng": {"torch": torch.get_rng_state()}, "config": {}, "data": {},
+            "world_size": 2, "run_id": "r"}
+
+
+def save(directory, step, keep_last=10, seed=0):
+    return write_checkpoint(directory, payload(step, seed), restart_generation=0,
+                            keep_last=keep_last)
+
+
+def test_commit_leaves_payload_manifest_and_pointer(tmp_path):
+    manifest = save(tmp_path, 7)
+    assert (tmp_path / "step-00000007.pt").stat().st_size == manifest.bytes
+    on_disk = json.loads((tmp_path / "step-00000007.json").read_text())
+    assert on_disk["sha256"] == manifest.sha256 and on_disk["world_size"] == 2
+    assert {"step", "epoch", "samples_seen", "world_size", "run_id", "restart_generation",
+            "sha256"} <= set(on_disk)
+    assert (tmp_path / "latest").read_text().strip() == "step-00000007"
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_keeps_only_the_last_k(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        save(tmp_path, step, keep_last=2)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-00000004.json", "step-00000004.pt", "step-00000005.json", "step-00000005.pt"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "garbage_manifest"])
+def test_a_damaged_latest_falls_back_to_the_one_before(tmp_path, damage):
+    save(tmp_path, 1)
+    save(tmp_path, 2)
+    latest = tmp_path / "step-00000002.pt"
+    data = bytearray(latest.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0xFF
+        latest.write_bytes(bytes(data))
+    elif damage == "truncate":
+        latest.write_bytes(bytes(data[: len(data) // 3]))
+    elif damage == "no_manifest":  # a kill between the payload's rename and the manifest's
+        (tmp_path / "step-00000002.json").unlink()
+    else:
+        (tmp_path / "step-00000002.json").write_text("{not json")
+    manifest, _ = newest_valid(tmp_path)
+    assert manifest.step == 1
+
+
+def test_nothing_valid_is_none(tmp_path):
+    assert newest_valid(tmp_path) is None
+
+
+class Exploit:
+    def __reduce__(self):
+        return (os.system, ("touch pwned",))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
+    evil = payload(3)
+    evil["extra"] = Exploit()
+    manifest = write_checkpoint(tmp_path, evil, restart_generation=0, keep_last=3)
+    _, data = newest_valid(tmp_path)
+    with pytest.raises(CheckpointError, match="could run code"):
+        deserialize(data, manifest.file)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_background_writer_commits_and_reports_blocking_time(tmp_path):
+    model = build_model(0)
+    checkpointer = Checkpointer(tmp_path, every=2, keep_last=3, restart_generation=4)
+    state = {"step": 0}
+
+    def state_fn():
+        return {**payload(state["step"]), "model": model.state_dict()}
+
+    saved = []
+    for step in range(1, 6):
+        state["step"] = step
+        saved.append(checkpointer.maybe_save(state_fn, step, final=step == 5))
+    checkpointer.close()
+    assert saved == [False, True, False, True, True]
+    assert [m.step for m in list_manifests(tmp_path)] == [5, 4, 2]
+    assert list_manifests(tmp_path)[0].restart_generation == 4
+    assert checkpointer.last_blocking_ms >= 0
+    _, data = newest_valid(tmp_path)
+    assert state_digest(deserialize(data, "x")["model"]) == state_digest(model.state_dict())
+
+
+def test_inspect_reports_every_checkpoint(tmp_path):
+    save(tmp_path, 1, seed=1)
+    save(tmp_path, 2, seed=2)
+    (tmp_path / "step-00000002.pt").write_bytes(b"junk")
+    done = run(cli_cmd("inspect", "--checkpoint-dir", str(tmp_path), "--json"))
+    assert done.returncode == 0, done.stdout
+    report = json.loads(done.stdout)
+    rows = {row["step"]: row for row in report["checkpoints"]}
+    assert rows[2]["valid"] is False and "truncated" in rows[2]["reason"]
+    assert rows[1]["valid"] is True
+    assert rows[1]["model_digest"] == state_digest(build_model(1).state_dict())
+    assert report["latest"] == "step-00000002"

@@ -1,0 +1,68 @@
+import dataclasses
+
+import pytest
+
+from elastic_mnist.cli import build_parser
+from elastic_mnist.config import ConfigError, TrainConfig, field_docs, train_config_from_args
+from launch import cli_cmd, run
+
+CONTRACT_FLAGS = ["--data-dir", "--dataset", "--no-download", "--epochs", "--max-steps",
+                  "--global-batch-size", "--lr", "--seed", "--checkpoint-dir", "--logdir",
+                  "--run-id", "--device", "--checkpoint-every", "--keep-last", "--audit-samples",
+                  "--pg-timeout", "--grad-sync"]
+
+
+def parse(*argv):
+    return train_config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_every_field_has_a_docstring():
+    for section in dataclasses.fields(TrainConfig):
+        cls = section.default_factory
+        docs = field_docs(cls)
+        assert set(docs) == {f.name for f in dataclasses.fields(cls)}, cls
+
+
+def test_flags_map_onto_the_dataclasses():
+    cfg = parse("--no-download", "--lr", "0.01", "--global-batch-size", "64", "--dataset",
+                "synthetic", "--checkpoint-every", "5")
+    assert cfg.data.download is False and cfg.data.dataset == "synthetic"
+    assert cfg.optim.lr == 0.01 and cfg.optim.global_batch_size == 64
+    assert cfg.checkpoint.checkpoint_every == 5
+    assert parse().data.download is True
+
+
+def test_help_documents_every_contract_flag_with_its_default():
+    done = run(cli_cmd("train", "--help"))
+    assert done.returncode == 0
+    text = " ".join(done.stdout.split())
+    for flag in CONTRACT_FLAGS:
+        assert flag in text, flag
+    assert "(default: 128)" in text and "(default: 'checkpoints')" in text
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--epochs", "0"], "--epochs"),
+    (["--global-batch-size", "-1"], "--global-batch-size"),
+    (["--micro-batch-size", "256"], "--micro-batch-size"),
+    (["--max-steps", "-3"], "--max-steps"),
+    (["--lr", "0"], "--lr"),
+])
+def test_bad_values_are_config_errors(argv, flag):
+    with pytest.raises(ConfigError, match=flag):
+        parse(*argv).validate()
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--epochs", "two"],
+    ["train", "--dataset", "cifar"],
+    ["train", "--bogus"],
+    ["train", "--epochs", "0"],
+    ["evaluate"],
+    ["synth", "--out", "x", "--train", "0"],
+])
+def test_bad_flags_get_one_line_and_exit_2(argv, tmp_path):
+    done = run(cli_cmd(*argv), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout
+    assert len(done.stdout.strip().splitlines()) == 1, done.stdout
+    assert "error" in done.stdout
