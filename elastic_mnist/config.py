@@ -10,6 +10,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import itertools
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -136,7 +137,7 @@ def field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     body = tree.body[0].body
     docs = {}
-    for node, after in zip(body, body[1:]):
+    for node, after in itertools.pairwise(body):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)):
             docs[node.target.id] = " ".join(str(after.value.value).split())

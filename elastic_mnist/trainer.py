@@ -87,7 +87,7 @@ class AuditLog:
         self.file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1)
+            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
     def record(self, step: int, epoch: int, rank: int, world_size: int,
                indices: list[int]) -> None:

@@ -27,7 +27,6 @@ def real_split(tmp_path_factory) -> Path:
         pytest.skip(f"real MNIST digits not found at {REAL_MNIST}")
     import gzip
 
-
     from elastic_mnist.data.idx import IMAGES_MAGIC, LABELS_MAGIC, read_idx, write_idx
 
     root = tmp_path_factory.mktemp("real-split")

@@ -3,11 +3,17 @@ import os
 
 import pytest
 import torch
-
-from elastic_mnist.checkpoint import (Checkpointer, CheckpointError, deserialize, list_manifests,
-                                      newest_valid, write_checkpoint)
-from elastic_mnist.model import build_model, state_digest
 from launch import cli_cmd, run
+
+from elastic_mnist.checkpoint import (
+    Checkpointer,
+    CheckpointError,
+    deserialize,
+    list_manifests,
+    newest_valid,
+    write_checkpoint,
+)
+from elastic_mnist.model import build_model, state_digest
 
 
 def payload(step: int, seed: int = 0) -> dict:

@@ -1,10 +1,10 @@
 import dataclasses
 
 import pytest
+from launch import cli_cmd, run
 
 from elastic_mnist.cli import build_parser
 from elastic_mnist.config import ConfigError, TrainConfig, field_docs, train_config_from_args
-from launch import cli_cmd, run
 
 CONTRACT_FLAGS = ["--data-dir", "--dataset", "--no-download", "--epochs", "--max-steps",
                   "--global-batch-size", "--lr", "--seed", "--checkpoint-dir", "--logdir",

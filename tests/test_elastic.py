@@ -12,7 +12,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-
 from launch import REPO, cli_cmd, kill_tree, run, start, torchrun_cmd
 
 pytestmark = pytest.mark.slow

@@ -3,7 +3,6 @@
 import json
 
 import pytest
-
 from launch import cli_cmd, run
 
 

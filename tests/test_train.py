@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from launch import REPO, cli_cmd, clean_env, run, torchrun_cmd
+from launch import REPO, clean_env, cli_cmd, run, torchrun_cmd
 
 pytestmark = pytest.mark.slow
 

@@ -169,7 +169,7 @@ def _download(root: Path) -> None:
     try:
         for train in (True, False):
             torchvision.datasets.MNIST(str(root), train=train, download=True)
-    except Exception as e:  # torchvision raises RuntimeError/URLError/OSError, among others
+    except Exception as e:  # noqa: BLE001 - torchvision raises RuntimeError, URLError, OSError...
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         log.warning("MNIST download failed: %s", first_line)
 

@@ -27,12 +27,12 @@ def read_idx(path: Path, magic: int) -> torch.Tensor:
         raise DataError(f"cannot read {path}: {e.strerror}") from None
     ndim = magic & 0xFF
     header = 4 + 4 * ndim
-    if len(raw) < header:
-        raise DataError(f"{path} is truncated: {len(raw)} bytes, shorter than its header")
-    (found,) = struct.unpack(">i", raw[:4])
-    if found != magic:
+    found = struct.unpack(">i", raw[:4])[0] if len(raw) >= 4 else None
+    if found is not None and found != magic:
         raise DataError(f"{path} is not an IDX file of the expected kind "
                         f"(magic {found}, expected {magic})")
+    if len(raw) < header:
+        raise DataError(f"{path} is truncated: {len(raw)} bytes, shorter than its header")
     shape = struct.unpack(f">{ndim}i", raw[4:header])
     expected = header + int(np.prod(shape))
     if len(raw) != expected:

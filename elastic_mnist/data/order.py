@@ -22,6 +22,11 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(mixed))
 
 
+@functools.lru_cache(maxsize=2)
+def _cached_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
+    return epoch_permutation(seed, epoch, n)
+
+
 @dataclass(frozen=True)
 class SampleOrder:
     """Global batches of a dataset of ``num_samples``, cut into micro-batches."""
@@ -35,9 +40,8 @@ class SampleOrder:
     def steps_per_epoch(self) -> int:
         return math.ceil(self.num_samples / self.global_batch_size)
 
-    @functools.lru_cache(maxsize=2)
     def permutation(self, epoch: int) -> torch.Tensor:
-        return epoch_permutation(self.seed, epoch, self.num_samples)
+        return _cached_permutation(self.seed, epoch, self.num_samples)
 
     def global_batch(self, epoch: int, cursor: int) -> torch.Tensor:
         """Sample indices of the step that starts at ``cursor`` samples into ``epoch``."""
