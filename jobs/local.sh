@@ -17,6 +17,10 @@ if (( gpus == 0 )) && [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
 fi
 
+# Restarted workers (after a failure or a resize) hang creating their process group when the
+# agent shares its rendezvous TCPStore with them (torch 2.14); a store of their own works.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
 exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \
   --max_restarts="${MAX_RESTARTS:-3}" \
   -m elastic_mnist train "$@"

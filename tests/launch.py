@@ -20,6 +20,9 @@ def clean_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items()
            if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = "1"
+    # Without it, workers restarted after a failure hang creating their gloo group (torch 2.14),
+    # as jobs/local.sh also says.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra)
     return env
 
