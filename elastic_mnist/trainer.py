@@ -218,6 +218,8 @@ class Trainer:
             if self.checkpointer.maybe_save(self.state, self.progress.step,
                                             epoch_end=epoch_ended,
                                             final=self.done() or result.stop_requested):
+                self.metrics.scalars(self.progress.step,
+                                     {"ckpt/save_ms": self.checkpointer.last_blocking_ms})
                 self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
             if result.stop_requested:
                 return "preempted"

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.slow
 TINY = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
         "--log-every", "5"]
 EXPECTED_TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
-                 "perf/samples_per_s"}
+                 "perf/samples_per_s", "ckpt/save_ms"}
 
 
 def train_args(data: Path, work: Path, *extra: str) -> list[str]:
