@@ -22,6 +22,7 @@ import pickle
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -244,6 +245,8 @@ class Checkpointer(NullCheckpointer):
                                         daemon=True)
         self._thread.start()
         self.last_manifest = None
+        self.on_commit: Callable[[Manifest, float], None] = lambda manifest, blocking_ms: None
+        """Called from the writer thread after each commit, with the save's blocking time."""
 
     def should_save(self, step: int, *, epoch_end: bool = False, final: bool = False) -> bool:
         if step == self._last_saved_step or step == 0:
@@ -258,10 +261,10 @@ class Checkpointer(NullCheckpointer):
         start = time.perf_counter()
         self.wait()
         payload = snapshot(state_fn())
-        self._idle.clear()
-        self._jobs.put(payload)
-        self._last_saved_step = step
         self.last_blocking_ms = (time.perf_counter() - start) * 1e3
+        self._idle.clear()
+        self._jobs.put((payload, self.last_blocking_ms))
+        self._last_saved_step = step
         if final:
             self.wait()
         return True
@@ -279,13 +282,15 @@ class Checkpointer(NullCheckpointer):
         self._thread.join()
 
     def _write_loop(self) -> None:
-        while (payload := self._jobs.get()) is not None:
+        while (job := self._jobs.get()) is not None:
+            payload, blocking_ms = job
             try:
                 self.last_manifest = write_checkpoint(
                     self.directory, payload, restart_generation=self.restart_generation,
                     keep_last=self.keep_last)
-                log.info("checkpoint %s committed (%d bytes)", self.last_manifest.file,
-                         self.last_manifest.bytes)
+                log.info("checkpoint %s committed (%d bytes, %.1f ms blocking)",
+                         self.last_manifest.file, self.last_manifest.bytes, blocking_ms)
+                self.on_commit(self.last_manifest, blocking_ms)
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:

@@ -1,4 +1,4 @@
-"""``elastic-mnist`` (or ``python -m elastic_mnist``): train, evaluate, inspect, synth."""
+"""``elastic-mnist`` (or ``python -m elastic_mnist``): train, evaluate, inspect, plot, synth."""
 
 from __future__ import annotations
 
@@ -54,6 +54,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--checkpoint-dir", required=True, help="folder of the checkpoints")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
 
+    plot = commands.add_parser("plot", help="draw a run's curves into a PNG",
+                               description="Loss and accuracy over steps, restarts and world-size "
+                                           "changes marked, from a run folder (<logdir>/<run id>).")
+    plot.add_argument("run_dir", help="the run's folder (<logdir>/<run id>)")
+    plot.add_argument("-o", "--out", default="run.png", help="PNG to write (default: run.png)")
+
     synth = commands.add_parser("synth", help="write a synthetic digits dataset",
                                 description="Render synthetic digits into DIR in MNIST's layout.")
     synth.add_argument("--out", required=True, help="folder to write (DIR/MNIST/raw/...)")
@@ -66,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "evaluate": cmd_evaluate, "inspect": cmd_inspect,
-               "synth": cmd_synth}[args.command]
+               "plot": cmd_plot, "synth": cmd_synth}[args.command]
     try:
         return command(args)
     except USER_ERRORS + (_checkpoint_error(),) as e:
@@ -169,6 +175,20 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             f"INVALID ({row['reason']})"
         print(f"  step {row['step']:>7}  epoch {row['epoch']:>3}  world {row['world_size']:>3}  "
               f"{row['bytes']:>9} B  {status}")
+    return 0
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from elastic_mnist.plot import plot_run
+
+    run_dir = Path(args.run_dir)
+    if not run_dir.is_dir():
+        raise DataError(f"{run_dir} is not a folder")
+    try:
+        plot_run(run_dir, Path(args.out))
+    except ValueError as e:
+        raise DataError(str(e)) from None
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -7,6 +7,7 @@ import logging
 import platform
 import sys
 import uuid
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from elastic_mnist import distributed
 from elastic_mnist.checkpoint import (
     Checkpointer,
+    Manifest,
     NullCheckpointer,
     deserialize,
     newest_valid,
@@ -31,12 +33,16 @@ from elastic_mnist.data.datasets import (
     prepare,
 )
 from elastic_mnist.env import DistEnv
+from elastic_mnist.events import EventLog
 from elastic_mnist.logs import add_file_handler
-from elastic_mnist.metrics import TensorBoardMetrics
+from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
 from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
+from elastic_mnist.progress import progress_display
 from elastic_mnist.trainer import AuditLog, Trainer
 
 log = logging.getLogger(__name__)
+
+HPARAM_METRICS = ["test/accuracy", "test/loss", "train/loss"]
 
 
 def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
@@ -69,10 +75,22 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
         log.info("resumed from %s: step %d, epoch %d, %d samples into it (saved at world size "
                  "%d, now %d)", source, trainer.progress.step, trainer.progress.epoch,
                  trainer.progress.cursor, payload["world_size"], env.world_size)
+    step = trainer.progress.step
     if env.is_main:
         # Steps after the checkpoint were lost with the old workers: hide what they logged.
-        trainer.metrics = TensorBoardMetrics(run_dir, purge_step=trainer.progress.step + 1)
-        trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer))
+        trainer.metrics = TensorBoardMetrics(run_dir, purge_step=step + 1)
+        trainer.events = EventLog(run_dir / "events.jsonl")
+        trainer.display = progress_display(env.is_main)
+        checkpointer.on_commit = partial(record_checkpoint, trainer)
+    trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
+    trainer.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
+                             "dataset_kind": dataset.kind}, HPARAM_METRICS)
+    trainer.events.emit("start", step, world_size=env.world_size, restart_generation=generation,
+                        resumed_from_step=trainer.resumed_from, run_id=run_id,
+                        torchelastic_restart_count=env.restart_count, dataset=dataset.kind)
+    if resume is not None and payload["world_size"] != env.world_size:
+        trainer.events.emit("resize", step, old_world_size=payload["world_size"],
+                            new_world_size=env.world_size)
 
     try:
         with stop_on_signals() as stop:
@@ -80,29 +98,55 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
         checkpointer.wait()
     finally:
         checkpointer.close()
+        trainer.display.close()
         trainer.metrics.close()
         trainer.audit.close()
+    step = trainer.progress.step
     if outcome == "preempted":
+        trainer.events.emit("preempted", step, signal=stop.signal_name)
+        trainer.events.close()
         log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d",
-                    trainer.progress.step, stop.signal_name, EXIT_PREEMPTED)
+                    step, stop.signal_name, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
-    log.info("finished at step %d", trainer.progress.step)
+    test_loss, test_accuracy = trainer.last_eval or (None, None)
+    trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
+    trainer.events.close()
+    log.info("finished at step %d", step)
     return 0
 
 
+def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) -> None:
+    """A committed checkpoint, on the dashboards and in events.jsonl (from the writer thread)."""
+    trainer.metrics.scalars(manifest.step, {"ckpt/save_ms": blocking_ms,
+                                            "ckpt/bytes": manifest.bytes})
+    trainer.events.emit("checkpoint", manifest.step, path=str(trainer.checkpointer.directory /
+                                                              manifest.file),
+                        blocking_ms=blocking_ms, bytes=manifest.bytes)
+
+
 def resolve_run_identity(cfg: TrainConfig, env: DistEnv, device: torch.device) -> tuple[str, int]:
-    """The run id (flag, else the one beside the checkpoints, else torchrun's, else new) and this
-    start's restart generation (one more than any before it in this checkpoint folder)."""
+    """The run id (the flag, else torchrun's when the user named it, else the one kept beside the
+    checkpoints, else a new one) and this start's restart generation (one more than any before it
+    in this checkpoint folder)."""
     checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
     record = read_run_file(checkpoint_dir)
     previous = torch.tensor([record.get("restart_generation", -1)], device=device)
     generation = int(distributed.all_reduce_(previous, dist.ReduceOp.MAX).item()) + 1
-    run_id = cfg.run.run_id or record.get("run_id") or env.run_id or new_run_id()
+    launcher_id = env.run_id if env.run_id and not is_generated_id(env.run_id) else None
+    run_id = cfg.run.run_id or launcher_id or record.get("run_id") or new_run_id()
     run_id = distributed.broadcast_object(run_id, src=0, device=device)
     if env.is_local_main:
         checkpoint_dir.mkdir(parents=True, exist_ok=True)
         write_run_file(checkpoint_dir, run_id, generation)
     return run_id, generation
+
+
+def is_generated_id(run_id: str) -> bool:
+    """torchrun --standalone names each launch with a fresh uuid4: not a name to keep."""
+    try:
+        return uuid.UUID(run_id).version == 4
+    except ValueError:
+        return False
 
 
 def new_run_id() -> str:
@@ -162,7 +206,7 @@ def launch_summary(cfg: TrainConfig, env: DistEnv, device: torch.device, dataset
         f"torch {torch.__version__}, python {platform.python_version()}, host {platform.node()}",
         f"world: {env.describe()}, device {device}",
         f"data: {dataset.describe()}",
-        f"resumed from step: {trainer.resumed_from}",
+        f"resumed from: {trainer.resumed_source or 'nothing (a fresh start)'}",
     ]
     if dataset.is_synthetic:
         lines.append(f"**{SYNTHETIC_WARNING}**")

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
+
+import torch
 
 
 class NullMetrics:
@@ -14,6 +17,12 @@ class NullMetrics:
     def text(self, tag: str, text: str, step: int = 0) -> None:
         pass
 
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        pass
+
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -22,7 +31,11 @@ class NullMetrics:
 
 
 class TensorBoardMetrics(NullMetrics):
-    """Scalars and text in ``run_dir``; steps from ``purge_step`` on are rewritten, not duplicated."""
+    """Scalars, text, images and hparams in ``run_dir``, one folder for the whole run.
+
+    Opened with ``purge_step``: whatever an earlier launch logged at that step or later (work lost
+    with it, since the checkpoint resumed from is older) is hidden, so steps never rewind.
+    """
 
     def __init__(self, run_dir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
@@ -36,8 +49,35 @@ class TensorBoardMetrics(NullMetrics):
     def text(self, tag: str, text: str, step: int = 0) -> None:
         self.writer.add_text(tag, text, global_step=step)
 
+    def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        self.writer.add_image(tag, image, global_step=step, dataformats="HWC")
+
+    def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        """The hparams plugin's entry for this run; its metrics are read from ``metric_tags``.
+
+        Written into the run's own folder (``add_hparams`` would open a new one per call).
+        """
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        for summary in hparams_summaries(hparams, {tag: 0.0 for tag in metric_tags}):
+            self.writer.file_writer.add_summary(summary)
+
     def flush(self) -> None:
         self.writer.flush()
 
     def close(self) -> None:
         self.writer.close()
+
+
+def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"optim": {"lr": 0.1}}`` → ``{"optim.lr": 0.1}``, values as the hparams plugin takes."""
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            flat.update(flat_hparams(value, f"{name}."))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat

@@ -32,9 +32,12 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
+from elastic_mnist.events import NullEventLog
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model
 from elastic_mnist.preemption import StopRequest
+from elastic_mnist.progress import LogLines
+from elastic_mnist.render import prediction_grid
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +63,8 @@ class StepResult:
     accuracy: float
     samples: int
     stop_requested: bool
+    seconds: float = 0.0
+    data_wait_s: float = 0.0
 
 
 def sum_allreduce_hook(process_group, bucket):
@@ -136,6 +141,9 @@ class Trainer:
         self.metrics = metrics or NullMetrics()
         self.checkpointer = checkpointer or NullCheckpointer()
         self.audit = audit or AuditLog(None)
+        self.events: NullEventLog = NullEventLog()
+        self.display: LogLines = LogLines()
+        self.last_eval: tuple[float, float] | None = None
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
                                  o.seed)
@@ -161,8 +169,8 @@ class Trainer:
                 dist.broadcast(tensor, src=0)
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
         self.progress = Progress()
-        self.last_step_ms = 0.0
         self.resumed_from: int | None = None
+        self.resumed_source: str | None = None
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -197,6 +205,7 @@ class Trainer:
         state = random.getstate()
         random.setstate((state[0], tuple(rng["python"]), state[2]))
         self.resumed_from = self.progress.step
+        self.resumed_source = source
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -211,6 +220,9 @@ class Trainer:
             result = self.train_step(batch, stop.requested)
             epoch_ended = self.advance(len(batch))
             window.add(result)
+            self.display.update(self.progress.epoch + (self.progress.cursor > 0),
+                                self.progress.step, self.total_steps, result.loss,
+                                window.samples_per_s())
             if self.should_log() or epoch_ended:
                 self.log_training(window.drain())
             if epoch_ended or self.done():
@@ -218,8 +230,6 @@ class Trainer:
             if self.checkpointer.maybe_save(self.state, self.progress.step,
                                             epoch_end=epoch_ended,
                                             final=self.done() or result.stop_requested):
-                self.metrics.scalars(self.progress.step,
-                                     {"ckpt/save_ms": self.checkpointer.last_blocking_ms})
                 self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
             if result.stop_requested:
                 return "preempted"
@@ -243,8 +253,11 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
+        data_wait = 0.0
         for i, indices in enumerate(mine):
+            fetch_start = time.perf_counter()
             images, labels = self.train_data.batch(indices.to(self.train_data.labels.device))
+            data_wait += time.perf_counter() - fetch_start
             with self.bn_stats.record(counts), self._sync_gradients(i == len(mine) - 1):
                 logits = self.net(images)
                 loss = F.cross_entropy(logits, labels, reduction="sum")
@@ -267,9 +280,9 @@ class Trainer:
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
                           self.env.world_size, torch.cat(mine).tolist() if counts else [])
         loss_total, correct_total, stops = packed[:3].tolist()
-        self.last_step_ms = (time.perf_counter() - step_start) * 1e3
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
-                          samples=len(batch), stop_requested=stops > 0)
+                          samples=len(batch), stop_requested=stops > 0,
+                          seconds=time.perf_counter() - step_start, data_wait_s=data_wait)
 
     def _sync_gradients(self, last_micro_batch: bool):
         """DDP syncs gradients on a rank's last micro-batch only (accumulating before it)."""
@@ -306,19 +319,38 @@ class Trainer:
         self.metrics.scalars(p.step, {
             "train/loss": window["loss"], "train/accuracy": window["accuracy"],
             "opt/lr": lr, "perf/samples_per_s": window["samples_per_s"],
-            "perf/step_ms": window["step_ms"], "elastic/world_size": self.env.world_size,
+            "perf/step_ms": window["step_ms"], "perf/data_wait_pct": window["data_wait_pct"],
+            "elastic/world_size": self.env.world_size,
+            "elastic/restart_generation": self.restart_generation,
         })
         log.info("epoch %d step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
                  p.epoch + (p.cursor > 0), p.step, self.total_steps, window["loss"],
                  100 * window["accuracy"], lr, window["samples_per_s"])
 
     def log_evaluation(self) -> tuple[float, float]:
+        step = self.progress.step
         loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env)
-        self.metrics.scalars(self.progress.step, {"test/loss": loss, "test/accuracy": accuracy})
+        self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
+        if self.env.is_main:
+            self.metrics.image("test/predictions", self.prediction_grid(), step)
         self.metrics.flush()
+        self.events.emit("eval", step, accuracy=accuracy, loss=loss)
+        self.last_eval = (loss, accuracy)
         log.info("epoch %d done: test loss %.4f, test accuracy %.2f%%", self.progress.epoch,
                  loss, 100 * accuracy)
         return loss, accuracy
+
+
+    @torch.no_grad()
+    def prediction_grid(self, count: int = 16) -> torch.Tensor:
+        """The first test digits with the model's predictions, as an RGB image."""
+        test = self.dataset.test
+        indices = torch.arange(min(count, len(test)))
+        images, labels = test.batch(indices)
+        self.model.eval()
+        predicted = self.model(images.to(self.device)).argmax(1).cpu()
+        self.model.train()
+        return prediction_grid(test.images[indices], predicted, labels)
 
 
 class _Window:
@@ -331,6 +363,10 @@ class _Window:
     def add(self, result: StepResult) -> None:
         self.results.append(result)
 
+    def samples_per_s(self) -> float:
+        elapsed = time.perf_counter() - self.start
+        return sum(r.samples for r in self.results) / elapsed if elapsed > 0 else 0.0
+
     def drain(self) -> dict[str, float]:
         elapsed = time.perf_counter() - self.start
         samples = sum(r.samples for r in self.results)
@@ -339,6 +375,7 @@ class _Window:
             "accuracy": sum(r.accuracy * r.samples for r in self.results) / samples,
             "samples_per_s": samples / elapsed,
             "step_ms": 1e3 * elapsed / len(self.results),
+            "data_wait_pct": 100 * sum(r.data_wait_s for r in self.results) / elapsed,
         }
         self.results, self.start = [], time.perf_counter()
         return summary

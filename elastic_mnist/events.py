@@ -1,0 +1,59 @@
+"""``<run dir>/events.jsonl``: the run's story, one JSON object per line, for tools and tests.
+
+Rank 0 appends ``start``, ``resize``, ``checkpoint``, ``eval``, ``preempted`` and ``finish``
+records, each with a UTC timestamp and the step, and flushes every line: a kill loses nothing
+already said. Other ranks get a log that writes nothing.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+
+
+class NullEventLog:
+    """What ranks that must not write get."""
+
+    def emit(self, event: str, step: int, **fields: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class EventLog(NullEventLog):
+    """Append-only, line-flushed and fsynced, safe to call from the checkpoint writer thread."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
+        self._lock = threading.Lock()
+
+    def emit(self, event: str, step: int, **fields: Any) -> None:
+        line = json.dumps({"event": event, "time": utc_now(), "step": step, **fields})
+        with self._lock:
+            self._file.write(line + "\n")
+            os.fsync(self._file.fileno())
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The records of an events.jsonl, skipping a last line cut short by a kill."""
+    records = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue
+    return records

@@ -1,0 +1,171 @@
+"""TensorBoard and events.jsonl tell one true story of a run, across kills and resizes."""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from launch import clean_env, cli_cmd, kill_tree, run, start, torchrun_cmd
+from PIL import Image
+from test_elastic import committed_step, wait_until, workers
+
+from elastic_mnist.events import read_events
+from elastic_mnist.job import is_generated_id
+from elastic_mnist.progress import ProgressBar
+
+TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
+        "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
+        "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes"}
+FLAGS = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
+         "--log-every", "2", "--epochs", "4", "--checkpoint-every", "4"]
+
+
+def args_for(data: Path, work: Path, *extra: str) -> list[str]:
+    return ["train", *FLAGS, "--data-dir", str(data), "--checkpoint-dir", str(work / "ckpt"),
+            "--logdir", str(work / "runs"), *extra]
+
+
+def accumulate(run_dir: Path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir), size_guidance={"scalars": 0, "images": 0,
+                                                        "tensors": 0})
+    acc.Reload()
+    return acc
+
+
+def assert_clean_curves(acc) -> None:
+    assert TAGS <= set(acc.Tags()["scalars"]), TAGS - set(acc.Tags()["scalars"])
+    for tag in acc.Tags()["scalars"]:
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)  # strictly increasing
+    train_steps = [e.step for e in acc.Scalars("train/loss")]
+    assert max(b - a for a, b in itertools.pairwise(train_steps)) <= 2  # --log-every
+    assert [e.step for e in acc.Scalars("test/accuracy")] == [10, 20, 30, 40]
+    assert "test/predictions" in acc.Tags()["images"]
+    assert "_hparams_/experiment" in acc.PluginTagToContent("hparams")
+
+
+@pytest.fixture(scope="module")
+def killed_run(tiny_digits, tmp_path_factory) -> Path:
+    """A run whose worker is SIGKILLed after step 12 is logged; torchrun restarts it."""
+    work = tmp_path_factory.mktemp("killed")
+    log = work / "run.log"
+    proc = start(torchrun_cmd(2, *args_for(tiny_digits, work, "--run-id", "killed"),
+                              max_restarts=2), log=log)
+    wait_until(lambda: committed_step(work / "ckpt") >= 12, proc)
+    workers(proc)[0].send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=240) == 0, log.read_text()
+    return work / "runs" / "killed"
+
+
+@pytest.fixture(scope="module")
+def resized_run(tiny_digits, tmp_path_factory) -> Path:
+    """Two workers preempted by SIGTERM, then resumed by one; no --run-id given."""
+    work = tmp_path_factory.mktemp("resized")
+    log = work / "run.log"
+    proc = start(torchrun_cmd(2, *args_for(tiny_digits, work)), log=log)
+    wait_until(lambda: committed_step(work / "ckpt") >= 8, proc)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=30)
+    done = run(torchrun_cmd(1, *args_for(tiny_digits, work)))
+    assert done.returncode == 0, done.stdout
+    run_id = json.loads((work / "ckpt" / "run.json").read_text())["run_id"]
+    runs = list((work / "runs").iterdir())
+    assert [r.name for r in runs] == [run_id]  # both launches wrote into one folder
+    return runs[0]
+
+
+def test_killed_run_has_clean_curves_and_a_true_record(killed_run):
+    assert_clean_curves(accumulate(killed_run))
+    events = read_events(killed_run / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "finish"
+    starts = [e for e in events if e["event"] == "start"]
+    assert [s["restart_generation"] for s in starts] == [0, 1]
+    assert starts[1]["resumed_from_step"] >= 12 and starts[1]["world_size"] == 2
+    assert all({"time", "step"} <= set(e) for e in events)
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    assert all(e["bytes"] > 0 and e["blocking_ms"] >= 0 for e in checkpoints)
+    assert events[-1]["step"] == 40 and events[-1]["test_accuracy"] > 0.5
+
+
+def test_resized_run_records_the_resize(resized_run):
+    acc = accumulate(resized_run)
+    assert_clean_curves(acc)
+    worlds = [int(e.value) for e in acc.Scalars("elastic/world_size")]
+    assert worlds[0] == 2 and worlds[-1] == 1 and worlds == sorted(worlds, reverse=True)
+    events = read_events(resized_run / "events.jsonl")
+    kinds = [e["event"] for e in events]
+    assert kinds.count("start") == 2 and "preempted" in kinds and kinds[-1] == "finish"
+    resize = next(e for e in events if e["event"] == "resize")
+    assert (resize["old_world_size"], resize["new_world_size"]) == (2, 1)
+    preempted = next(e for e in events if e["event"] == "preempted")
+    assert resize["step"] == preempted["step"]  # resumed exactly where it stopped
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_tensorboard_serves_the_run(resized_run):
+    port = free_port()
+    board = subprocess.Popen(
+        [str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(resized_run.parent),
+         "--port", str(port), "--host", "127.0.0.1", "--reload_interval", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())
+    try:
+        url = (f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run={resized_run.name}"
+               f"&tag=train/loss")
+        deadline, served = time.monotonic() + 60, None
+        while served is None and time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(url, timeout=5) as response:
+                    served = json.loads(response.read())
+            except OSError:
+                time.sleep(0.5)
+        assert served is not None, "TensorBoard did not serve the run within 60 s"
+        expected = [e.step for e in accumulate(resized_run).Scalars("train/loss")]
+        assert [step for _, step, _ in served] == expected
+    finally:
+        kill_tree(board.pid)
+
+
+def test_plot_draws_the_run(resized_run, tmp_path):
+    done = run(cli_cmd("plot", str(resized_run), "-o", str(tmp_path / "run.png")))
+    assert done.returncode == 0, done.stdout
+    image = Image.open(tmp_path / "run.png")
+    assert image.size[0] > 500 and len(set(image.getdata())) > 3
+
+
+def test_plot_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
+    done = run(cli_cmd("plot", str(tmp_path), "-o", str(tmp_path / "x.png")))
+    assert done.returncode == 2
+    assert "no train/loss" in done.stdout.strip().splitlines()[-1]
+
+
+def test_progress_bar_shows_epoch_step_loss_rate_and_eta():
+    stream = io.StringIO()
+    bar = ProgressBar(stream, min_interval_s=0)
+    bar.update(1, 10, 100, 0.5, 1234.0)
+    bar.update(1, 20, 100, 0.25, 1234.0)
+    line = stream.getvalue().split("\r")[-1]
+    for part in ("epoch 1", "step 20/100", "loss 0.2500", "1,234 samples/s", "ETA"):
+        assert part in line
+
+
+def test_standalone_uuids_are_not_run_names():
+    assert is_generated_id("2f1c8f4e-6f0e-4c61-9f3d-0c6f3f1b5e21")
+    assert not is_generated_id("job-42")
+
