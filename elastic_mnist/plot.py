@@ -1,4 +1,4 @@
-"""``elastic-mnist plot RUN_DIR -o run.png``: loss and accuracy over steps, restarts marked.
+"""``elastic-mnist plot RUN_DIR -o run.png``: loss and error rate over steps, restarts marked.
 
 Reads the run's TensorBoard scalars and its events.jsonl, and draws with PIL alone, for a report
 or a reader without TensorBoard.
@@ -6,6 +6,7 @@ or a reader without TensorBoard.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from PIL import Image, ImageDraw
@@ -13,6 +14,10 @@ from PIL import Image, ImageDraw
 from elastic_mnist.events import read_events
 
 WIDTH, PANEL_HEIGHT, MARGIN = 960, 300, 60
+FLOOR = 1e-4  # the smallest value a log axis shows
+# (title, tag under train/ and test/, what is drawn), both panels on a log axis.
+PANELS = (("loss (log scale)", "loss", lambda v: v),
+          ("error rate = 1 - accuracy (log scale)", "accuracy", lambda v: 1.0 - v))
 COLORS = {"train": (31, 119, 180), "test": (255, 127, 14)}
 MARK = (150, 150, 150)
 
@@ -50,9 +55,11 @@ def plot_run(run_dir: Path, out: Path) -> None:
     x_range = (min(steps), max(max(steps), min(steps) + 1))
     canvas = Image.new("RGB", (WIDTH, 2 * PANEL_HEIGHT + MARGIN), "white")
     draw = ImageDraw.Draw(canvas)
-    for row, metric in enumerate(("loss", "accuracy")):
-        series = {split: scalars.get(f"{split}/{metric}", []) for split in ("train", "test")}
-        _panel(draw, row * PANEL_HEIGHT + MARGIN // 2, metric, series, x_range, restarts(run_dir))
+    marks = restarts(run_dir)
+    for row, (title, tag, to_value) in enumerate(PANELS):
+        series = {split: [(step, to_value(v)) for step, v in scalars.get(f"{split}/{tag}", [])]
+                  for split in ("train", "test")}
+        _panel(draw, row * PANEL_HEIGHT + MARGIN // 2, title, series, x_range, marks)
     canvas.save(out)
 
 
@@ -60,13 +67,15 @@ def _panel(draw: ImageDraw.ImageDraw, top: int, title: str,
            series: dict[str, list[tuple[int, float]]], x_range: tuple[int, int],
            marks: list[tuple[int, str]]) -> None:
     left, right, bottom = MARGIN, WIDTH - 20, top + PANEL_HEIGHT - 40
-    values = [v for points in series.values() for _, v in points] or [0.0, 1.0]
-    low, high = min(values), max(values)
-    high = high if high > low else low + 1.0
+    values = [v for points in series.values() for _, v in points] or [FLOOR, 1.0]
+    low, high = max(min(values), FLOOR), max(values)
+    high = high if high > low else low * 10
 
     def at(step: float, value: float) -> tuple[float, float]:
+        """Linear in steps, logarithmic in values."""
         x = left + (step - x_range[0]) / (x_range[1] - x_range[0]) * (right - left)
-        return x, bottom - (value - low) / (high - low) * (bottom - top - 20)
+        share = math.log(max(value, low) / low) / math.log(high / low)
+        return x, bottom - share * (bottom - top - 20)
 
     draw.rectangle((left, top, right, bottom), outline="black")
     draw.text((left, top - 14), title, fill="black")
