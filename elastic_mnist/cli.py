@@ -1,4 +1,4 @@
-"""``elastic-mnist`` (or ``python -m elastic_mnist``): train, evaluate, inspect, plot, synth."""
+"""``elastic-mnist``: the train, evaluate, inspect, plot, rendezvous and synth commands."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from elastic_mnist import rendezvous
 from elastic_mnist.config import ConfigError, add_train_arguments, train_config_from_args
 from elastic_mnist.data.idx import DataError
 from elastic_mnist.env import DistEnv, EnvError
 
 EXIT_USAGE = 2
-USER_ERRORS: tuple[type[Exception], ...] = (EnvError, ConfigError, DataError)
+USER_ERRORS: tuple[type[Exception], ...] = (EnvError, ConfigError, DataError,
+                                             rendezvous.RendezvousError)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -60,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("run_dir", help="the run's folder (<logdir>/<run id>)")
     plot.add_argument("-o", "--out", default="run.png", help="PNG to write (default: run.png)")
 
+    store = commands.add_parser("rendezvous", help="serve the c10d rendezvous store",
+                                description="Serve the c10d rendezvous store as a process of its "
+                                            "own, outside every training node (RDZV_STORE=external"
+                                            " in jobs/node.sh).")
+    rendezvous.add_arguments(store)
+
     synth = commands.add_parser("synth", help="write a synthetic digits dataset",
                                 description="Render synthetic digits into DIR in MNIST's layout.")
     synth.add_argument("--out", required=True, help="folder to write (DIR/MNIST/raw/...)")
@@ -72,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     command = {"train": cmd_train, "evaluate": cmd_evaluate, "inspect": cmd_inspect,
-               "plot": cmd_plot, "synth": cmd_synth}[args.command]
+               "plot": cmd_plot, "rendezvous": rendezvous.run, "synth": cmd_synth}[args.command]
     try:
         return command(args)
     except USER_ERRORS + (_checkpoint_error(),) as e:

@@ -1,0 +1,76 @@
+"""``elastic-mnist rendezvous``: the c10d rendezvous store as a small process of its own.
+
+With ``--rdzv_backend=c10d`` the agent on the endpoint's host serves the TCPStore in which all
+agents meet; lose that node and the store goes with it, and so does the job. Served by this
+process instead, on a machine outside every training node (``RDZV_STORE=external`` in
+jobs/node.sh, where every agent starts with ``--rdzv_conf=is_host=false``), the store outlives any
+node, the first one included. It holds only rendezvous state, a few small keys per round, so it
+needs no GPU and next to no memory; one store serves any number of jobs (their ``--rdzv_id``
+keeps them apart).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from datetime import timedelta
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# The store's own client connects to HOST:PORT once at start; a wrong HOST fails within this.
+CONNECT_TIMEOUT = timedelta(seconds=30)
+
+
+class RendezvousError(Exception):
+    """The store cannot be served; the message is one line for the user."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", default="localhost",
+                        help="this machine's address as the agents' --rdzv_endpoint names it; "
+                             "the store listens on every interface either way")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="port to listen on (0: any free port, logged)")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s",
+                        datefmt="%H:%M:%S")
+    return serve(args.host, args.port)
+
+
+def serve(host: str, port: int) -> int:
+    """Serves the store on ``port`` until SIGTERM or SIGINT, then returns 0."""
+    if not 0 <= port <= 65535:
+        raise RendezvousError(f"port {port} is not a TCP port (0 to 65535)")
+    from torch.distributed import DistError, TCPStore  # torch is imported only when serving
+
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in STOP_SIGNALS}
+    try:
+        try:
+            # The agents create their own keys (each rendezvous under its run id), so the store
+            # waits for nobody and expects no world size.
+            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
+                             timeout=CONNECT_TIMEOUT)
+        except DistError as e:
+            raise RendezvousError(_explain(e, host, port)) from None
+        log.info("rendezvous store listening on %s:%d", host, store.port)
+        stop.wait()
+        log.info("rendezvous store on %s:%d stopping", host, store.port)
+        return 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _explain(error: Exception, host: str, port: int) -> str:
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if "EADDRINUSE" in message or "address already in use" in message:
+        return (f"port {port} is already in use (another rendezvous store, or a job's agent, "
+                f"listens there): choose another --port")
+    return f"cannot serve the rendezvous store on {host}:{port}: {message}"

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# What every node of a multi-node job runs: one torchrun agent, which starts this node's workers
+# and meets the other nodes' agents at the c10d rendezvous. Arguments go to `elastic-mnist train`.
+#
+#   NNODES=1:4 RDZV_ENDPOINT=head:29400 RUN_ID=job42 jobs/node.sh \
+#       --data-dir /shared/data --checkpoint-dir /shared/ckpt --logdir /shared/runs
+#
+# Environment (default):
+#   NNODES          number of nodes, or MIN:MAX for an elastic job (1)
+#   NPROC_PER_NODE  workers on this node (the GPUs visible, else 2)
+#   RDZV_ENDPOINT   HOST:PORT of the rendezvous store, the same on every node; required unless
+#                   NNODES is 1 (then localhost and a free port, like torchrun --standalone)
+#   RUN_ID          the rendezvous id, the same on every node of one job (elastic-mnist)
+#   MAX_RESTARTS    restarts of this node's workers after failures before the agent gives up;
+#                   nodes joining or leaving do not count (3)
+#   RDZV_STORE      who serves the store: `agent`, the agent on the endpoint's host; or
+#                   `external`, an `elastic-mnist rendezvous` process on the endpoint that
+#                   outlives every node, the first one included (agent)
+#   RDZV_IS_HOST    true or false: whether this agent serves the store; auto: it does when the
+#                   endpoint's host is this machine. Set it where several agents share one host:
+#                   only one of them may serve (auto)
+#   MONITOR_INTERVAL, JOIN_TIMEOUT, LAST_CALL_TIMEOUT, KEEP_ALIVE_INTERVAL,
+#   KEEP_ALIVE_MAX_ATTEMPT   rendezvous timing, explained where they are set below
+#   TORCHRUN        the launcher command, split on spaces (torchrun, else
+#                   `python -m torch.distributed.run`)
+#   RDZV_PRECHECK=0 start torchrun without first waiting (up to JOIN_TIMEOUT) for the store to
+#                   answer, on agents that do not serve it
+#   DRY_RUN=1       print the launch command, one argument per line, instead of running it
+set -euo pipefail
+
+die() {
+  echo "jobs/node.sh: $*" >&2
+  exit 2
+}
+
+NNODES=${NNODES:-1}
+if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
+  if [[ "$NNODES" != 1 ]]; then
+    die "RDZV_ENDPOINT (HOST:PORT of the rendezvous store) is required with NNODES=$NNODES"
+  fi
+  if [[ "${RDZV_STORE:-agent}" != agent ]]; then
+    die "RDZV_STORE=$RDZV_STORE needs RDZV_ENDPOINT, where the store runs"
+  fi
+  RDZV_ENDPOINT=localhost:0  # this node's agent serves the store on a port the OS chooses
+fi
+
+case "${RDZV_STORE:-agent}" in
+  agent) is_host=${RDZV_IS_HOST:-auto} ;;
+  external)
+    # `elastic-mnist rendezvous` serves the store: no agent may try to, even on the same host.
+    if [[ ! "${RDZV_IS_HOST:-false}" =~ ^(false|auto)$ ]]; then
+      die "RDZV_IS_HOST=$RDZV_IS_HOST contradicts RDZV_STORE=external"
+    fi
+    is_host=false
+    ;;
+  *) die "RDZV_STORE must be agent or external, not '$RDZV_STORE'" ;;
+esac
+case "$is_host" in
+  auto | true | false) ;;
+  *) die "RDZV_IS_HOST must be true, false or auto, not '$is_host'" ;;
+esac
+
+if [[ -z "${NPROC_PER_NODE:-}" || -z "${OMP_NUM_THREADS:-}" ]]; then
+  gpus=$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+fi
+if [[ -z "${NPROC_PER_NODE:-}" ]]; then
+  if (( gpus > 0 )); then NPROC_PER_NODE=$gpus; else NPROC_PER_NODE=2; fi
+fi
+# torchrun sets one intra-op thread per worker when it starts several; on CPU share the cores.
+if [[ -z "${OMP_NUM_THREADS:-}" ]] && (( gpus == 0 )); then
+  cores=$(nproc)
+  export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
+fi
+
+# With TCPStore sharing on (torch 2.14's default), a node joining a running job hangs both agents
+# for 60 s and then fails them (the old rank 0 never writes MASTER_ADDR for the new round), and
+# restarted workers hang creating their process group. Workers with a store of their own work.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+
+# Rendezvous timing: the values measured to make recovery fast. With torch's defaults a survivor
+# resumes about 44 s after losing a node; with these, about 7 s.
+#
+# A node that stops sending keep-alives is declared dead after KEEP_ALIVE_MAX_ATTEMPT missed beats
+# KEEP_ALIVE_INTERVAL seconds apart: 3 s instead of 15 s (5 s x 3). A beat is one small write to
+# the store per node per second.
+keep_alive_interval=${KEEP_ALIVE_INTERVAL:-1}
+keep_alive_max_attempt=${KEEP_ALIVE_MAX_ATTEMPT:-3}
+# Once the minimum number of nodes has joined, a round waits LAST_CALL_TIMEOUT seconds for more
+# before it closes; torch's 30 s would be added to every start and every recovery. Nodes that
+# start together join within a second or two of each other; a later one joins as a scale-up.
+last_call_timeout=${LAST_CALL_TIMEOUT:-2}
+# How long a node waits for the minimum number of nodes before giving up: torch's default, kept
+# long because a queued node or a pod waiting for a GPU machine can take minutes to come.
+join_timeout=${JOIN_TIMEOUT:-600}
+# How often the agent checks on its workers: a failed worker is noticed within half a second,
+# at a fifth of the polling of torch 2.14's 0.1 s, and well inside the 3 s a lost node takes.
+monitor_interval=${MONITOR_INTERVAL:-0.5}
+
+rdzv_conf=join_timeout=$join_timeout,last_call_timeout=$last_call_timeout
+rdzv_conf+=,keep_alive_interval=$keep_alive_interval,keep_alive_max_attempt=$keep_alive_max_attempt
+if [[ "$is_host" != auto ]]; then
+  rdzv_conf+=,is_host=$is_host
+fi
+
+# An agent that does not serve the store must reach it. torchrun would try for minutes and end in
+# a traceback; say plainly what is wrong once JOIN_TIMEOUT has passed without an answer.
+is_local() {
+  local host=$1 ip
+  [[ "$host" == localhost || "$host" == 127.* || "$host" == "$(hostname)" ]] && return 0
+  ip=$(getent hosts "$host" | awk '{ print $1; exit }') || return 1
+  [[ "$ip" == 127.* ]] || hostname -I 2> /dev/null | tr ' ' '\n' | grep -qxF "$ip"
+}
+wait_for_store() {
+  local host=${RDZV_ENDPOINT%:*} port=${RDZV_ENDPOINT##*:} deadline=$((SECONDS + join_timeout))
+  until timeout 2 bash -c "exec 3<>/dev/tcp/$host/$port" 2> /dev/null; do
+    ((SECONDS < deadline)) || die "no rendezvous store answers at $RDZV_ENDPOINT after ${join_timeout} s (JOIN_TIMEOUT); start the head node or the store first, or fix RDZV_ENDPOINT"
+    sleep 1
+  done
+}
+serves_store=$is_host
+if [[ "$is_host" == auto ]]; then
+  serves_store=$(is_local "${RDZV_ENDPOINT%:*}" && echo true || echo false)
+fi
+if [[ "$serves_store" == false && "${DRY_RUN:-0}" != 1 && "${RDZV_PRECHECK:-1}" == 1 ]]; then
+  wait_for_store
+fi
+
+if [[ -n "${TORCHRUN:-}" ]]; then
+  read -r -a launcher <<< "$TORCHRUN"
+elif command -v torchrun > /dev/null; then
+  launcher=(torchrun)
+else
+  launcher=(python -m torch.distributed.run)
+fi
+
+cmd=("${launcher[@]}"
+  --nnodes="$NNODES"
+  --nproc_per_node="$NPROC_PER_NODE"
+  --rdzv_backend=c10d
+  --rdzv_endpoint="$RDZV_ENDPOINT"
+  --rdzv_id="${RUN_ID:-elastic-mnist}"
+  --rdzv_conf="$rdzv_conf"
+  --max_restarts="${MAX_RESTARTS:-3}"
+  --monitor_interval="$monitor_interval"
+  -m elastic_mnist train "$@")
+
+if [[ "${DRY_RUN:-0}" == 1 ]]; then
+  printf '%s\n' "${cmd[@]}"
+  exit 0
+fi
+exec "${cmd[@]}"

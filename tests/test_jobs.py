@@ -1,0 +1,603 @@
+"""The launch specs in jobs/ as data, and the rendezvous store that runs outside every node.
+
+node.sh is run for real (DRY_RUN=1 prints the torchrun command it would exec; a fake launcher
+records what it really execs), the SLURM script runs with stand-ins for srun and scontrol, and the
+PyTorchJob is validated against the training operator's own CRD, strictly, where that is at hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import yaml
+from launch import REPO, clean_env, kill_tree
+
+from elastic_mnist.rendezvous import DEFAULT_PORT, RendezvousError, add_arguments, serve
+
+JOBS = REPO / "jobs"
+NODE_SH = JOBS / "node.sh"
+SBATCH = JOBS / "slurm.sbatch"
+MANIFEST = JOBS / "kubernetes" / "pytorchjob.yaml"
+CRD = Path(__file__).resolve().parents[2] / "shared" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
+
+LAUNCHER = [sys.executable, "-m", "torch.distributed.run"]
+TRAIN = ["-m", "elastic_mnist", "train"]
+NODE_VARS = ("NNODES", "NPROC_PER_NODE", "RDZV_ENDPOINT", "RUN_ID", "MAX_RESTARTS", "RDZV_STORE",
+             "RDZV_IS_HOST", "MONITOR_INTERVAL", "LAST_CALL_TIMEOUT", "KEEP_ALIVE_INTERVAL",
+             "KEEP_ALIVE_MAX_ATTEMPT", "JOIN_TIMEOUT", "TORCHRUN", "DRY_RUN")
+# The rendezvous timing measured to make recovery fast (node.sh's defaults).
+MEASURED_CONF = {"join_timeout": "600", "last_call_timeout": "2", "keep_alive_interval": "1",
+                 "keep_alive_max_attempt": "3"}
+
+# Stands in for torchrun: records its arguments and environment in $FAKE_TORCHRUN_OUT, then exits
+# with $FAKE_TORCHRUN_EXIT, or with "wait" waits for SIGTERM and exits 1 as torchrun does after
+# passing it on to its workers.
+FAKE_TORCHRUN = """\
+import json, os, signal, sys, time
+
+out = os.environ["FAKE_TORCHRUN_OUT"]
+record = {"argv": sys.argv[1:], "env": dict(os.environ), "signal": None}
+
+def save():
+    with open(out + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(out + ".tmp", out)
+
+def stop(signum, frame):
+    record["signal"] = signal.Signals(signum).name
+    save()
+    sys.exit(1)
+
+signal.signal(signal.SIGTERM, stop)
+save()
+mode = os.environ.get("FAKE_TORCHRUN_EXIT", "0")
+if mode == "wait":
+    time.sleep(60)
+sys.exit(int(mode) if mode != "wait" else 3)
+"""
+
+
+# ---------------------------------------------------------------------------------------------
+# jobs/node.sh
+
+
+def node_env(**extra: str) -> dict[str, str]:
+    """The test's environment without node.sh's variables, the launcher set to this Python's."""
+    env = {k: v for k, v in clean_env().items() if k not in NODE_VARS}
+    env.update(TORCHRUN=" ".join(LAUNCHER), NPROC_PER_NODE="2")
+    env.update(extra)
+    return env
+
+
+def dry_run(*args: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(NODE_SH), *args], env=node_env(DRY_RUN="1", **env),
+                          capture_output=True, text=True, timeout=30, check=False)
+
+
+def launch_of(argv: list[str], launcher: list[str] = LAUNCHER) -> tuple[dict[str, str], list[str]]:
+    """torchrun's --name=value options as a dict, and the arguments given to `train`."""
+    assert argv[:len(launcher)] == launcher, argv
+    rest = argv[len(launcher):]
+    cut = next(i for i in range(len(rest)) if rest[i:i + 3] == TRAIN)
+    options = {}
+    for option in rest[:cut]:
+        name, sep, value = option.partition("=")
+        assert option.startswith("--") and sep, f"not --name=value: {option!r}"
+        assert name not in options, f"{name} given twice"
+        options[name[2:]] = value
+    return options, rest[cut + 3:]
+
+
+def conf_of(options: dict[str, str]) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in options["rdzv_conf"].split(","))
+
+
+def planned(*args: str, **env: str) -> tuple[dict[str, str], list[str]]:
+    done = dry_run(*args, **env)
+    assert done.returncode == 0, done.stderr
+    return launch_of(done.stdout.splitlines())
+
+
+def test_node_sh_multi_node_command():
+    options, train = planned("--epochs", "2", "--checkpoint-dir", "/shared/a dir",
+                             NNODES="2:4", RDZV_ENDPOINT="head:29400", RUN_ID="job7",
+                             NPROC_PER_NODE="3", MAX_RESTARTS="5")
+    assert options == {"nnodes": "2:4", "nproc_per_node": "3", "rdzv_backend": "c10d",
+                       "rdzv_endpoint": "head:29400", "rdzv_id": "job7",
+                       "rdzv_conf": options["rdzv_conf"], "max_restarts": "5",
+                       "monitor_interval": "0.5"}
+    assert conf_of(options) == MEASURED_CONF  # torchrun decides who hosts the store
+    assert train == ["--epochs", "2", "--checkpoint-dir", "/shared/a dir"]
+
+
+def test_node_sh_single_node_defaults():
+    options, train = planned()
+    assert options["nnodes"] == "1"
+    assert options["rdzv_endpoint"] == "localhost:0"  # like --standalone: a port the OS picks
+    assert options["rdzv_id"] == "elastic-mnist"
+    assert options["max_restarts"] == "3"
+    assert options["monitor_interval"] == "0.5"
+    assert conf_of(options) == MEASURED_CONF
+    assert train == []
+
+
+@pytest.mark.parametrize(("env", "is_host"), [
+    ({"RDZV_STORE": "external"}, "false"),
+    ({"RDZV_STORE": "external", "RDZV_IS_HOST": "auto"}, "false"),
+    ({"RDZV_STORE": "agent", "RDZV_IS_HOST": "false"}, "false"),
+    ({"RDZV_IS_HOST": "true"}, "true"),
+])
+def test_node_sh_who_hosts_the_store(env, is_host):
+    options, _ = planned(NNODES="1:2", RDZV_ENDPOINT="127.0.0.1:29400", **env)
+    assert conf_of(options) == {**MEASURED_CONF, "is_host": is_host}
+
+
+def test_node_sh_timing_overrides():
+    options, _ = planned(MONITOR_INTERVAL="1", JOIN_TIMEOUT="60", LAST_CALL_TIMEOUT="5",
+                         KEEP_ALIVE_INTERVAL="2", KEEP_ALIVE_MAX_ATTEMPT="4")
+    assert options["monitor_interval"] == "1"
+    assert conf_of(options) == {"join_timeout": "60", "last_call_timeout": "5",
+                                "keep_alive_interval": "2", "keep_alive_max_attempt": "4"}
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"NNODES": "2:4"}, "RDZV_ENDPOINT"),
+    ({"RDZV_STORE": "external"}, "RDZV_ENDPOINT"),
+    ({"RDZV_ENDPOINT": "h:1", "RDZV_STORE": "etcd"}, "RDZV_STORE"),
+    ({"RDZV_ENDPOINT": "h:1", "RDZV_STORE": "external", "RDZV_IS_HOST": "true"}, "RDZV_IS_HOST"),
+    ({"RDZV_ENDPOINT": "h:1", "RDZV_STORE": "external", "RDZV_IS_HOST": "yes"}, "RDZV_IS_HOST"),
+    ({"RDZV_IS_HOST": "yes"}, "RDZV_IS_HOST"),
+])
+def test_node_sh_refuses_contradictions_in_one_line(env, named):
+    done = dry_run(**env)
+    assert done.returncode == 2
+    assert done.stdout == ""
+    assert len(done.stderr.splitlines()) == 1 and named in done.stderr, done.stderr
+
+
+def test_node_sh_execs_the_launcher_with_its_environment(tmp_path):
+    """Not a dry run: what the launcher receives, and the environment node.sh exports for it."""
+    fake = tmp_path / "fake_torchrun.py"
+    fake.write_text(FAKE_TORCHRUN)
+    store = socket.create_server(("127.0.0.1", 0))  # what node.sh waits for before launching
+    env = node_env(TORCHRUN=f"{sys.executable} {fake}", FAKE_TORCHRUN_OUT=str(tmp_path / "rec"),
+                   NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{store.getsockname()[1]}",
+                   RDZV_STORE="external",
+                   # No GPU, and `python` is one with torch: node.sh counts the GPUs itself.
+                   CUDA_VISIBLE_DEVICES="",
+                   PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
+    for computed in ("NPROC_PER_NODE", "OMP_NUM_THREADS", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"):
+        env.pop(computed, None)
+    with store:
+        done = subprocess.run(["bash", str(NODE_SH), "--max-steps", "1"], env=env, timeout=60,
+                              capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "rec").read_text())
+    options, train = launch_of(record["argv"], launcher=[])
+    assert options["nproc_per_node"] == "2"  # no GPU: 2 CPU workers
+    assert conf_of(options)["is_host"] == "false"
+    assert train == ["--max-steps", "1"]
+    assert record["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    assert record["env"]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
+
+
+def test_node_sh_says_when_no_store_answers_within_the_join_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    env = node_env(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_IS_HOST="false",
+                   JOIN_TIMEOUT="2", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(NODE_SH)], env=env, timeout=60, capture_output=True,
+                          text=True, check=False)
+    assert done.returncode == 2 and time.monotonic() - start < 20
+    assert len(done.stderr.splitlines()) == 1
+    assert f"no rendezvous store answers at 127.0.0.1:{port} after 2 s" in done.stderr
+
+
+def test_node_sh_falls_back_to_python_module():
+    path = "/usr/bin:/bin"
+    if shutil.which("torchrun", path=path):
+        pytest.skip(f"torchrun is on {path}")
+    env = node_env(PATH=path)
+    del env["TORCHRUN"]
+    done = subprocess.run(["bash", str(NODE_SH)], env={**env, "DRY_RUN": "1"}, timeout=30,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0, done.stderr
+    launch_of(done.stdout.splitlines(), launcher=["python", "-m", "torch.distributed.run"])
+
+
+@pytest.mark.parametrize("script", sorted([*JOBS.glob("*.sh"), *JOBS.glob("*.sbatch")]),
+                         ids=lambda p: p.name)
+def test_shell_scripts_parse(script):
+    done = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# jobs/slurm.sbatch
+
+
+def sbatch_directives() -> list[str]:
+    """The options of the #SBATCH lines that SLURM reads: those before the first command."""
+    directives = []
+    for line in SBATCH.read_text().splitlines()[1:]:
+        if line.startswith("#SBATCH"):
+            directives += line.split()[1:]
+        elif line.strip() and not line.startswith("#"):
+            break
+    return directives
+
+
+def test_sbatch_asks_for_four_nodes_of_eight_gpus_and_a_warning():
+    directives = sbatch_directives()
+    for expected in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8",
+                     "--signal=B:TERM@120", "--requeue", "--open-mode=append"):
+        assert expected in directives, directives
+    assert len({d.split("=")[0] for d in directives}) == len(directives), "an option twice"
+    assert SBATCH.read_text().count("#SBATCH") == len(directives), "an #SBATCH after a command"
+
+
+def test_sbatch_runs_node_sh_with_the_head_node_as_endpoint():
+    text = SBATCH.read_text().replace("\\\n", " ")
+    assert re.search(r'^nodes=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST"\)$', text,
+                     re.MULTILINE)
+    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:29400\b", text, re.MULTILINE)
+    assert re.search(r"^export .*RUN_ID=\$SLURM_JOB_ID\b", text, re.MULTILINE)
+    srun = re.search(r"^srun .*$", text, re.MULTILINE)
+    assert srun and " jobs/node.sh " in srun.group(0)
+    for flag in ("--checkpoint-dir", "--logdir", "--data-dir"):
+        assert re.search(rf'{flag} "\$(CHECKPOINT_DIR|LOGDIR|DATA_DIR)"', srun.group(0)), flag
+    assert re.search(r"^CHECKPOINT_DIR=\$SHARED/", text, re.MULTILINE)
+
+
+FAKE_SRUN = """\
+#!/usr/bin/env bash
+# srun on one node: runs the task, and like the real srun answers SIGTERM with SIGKILL to it.
+while [[ $1 == -* ]]; do shift; done
+"$@" &
+task=$!
+echo "$task" > "$FAKE_SLURM_TASKS"
+trap 'kill -KILL "$task"' TERM
+while :; do
+  wait "$task"
+  status=$?
+  kill -0 "$task" 2> /dev/null || exit "$status"
+done
+"""
+FAKE_SCANCEL = """\
+#!/usr/bin/env bash
+# scancel --signal=SIG JOBID: the signal reaches the tasks of the job's steps, not the batch shell.
+echo "scancel $*" >> "$FAKE_SLURM_LOG"
+kill -s "${1#--signal=}" "$(cat "$FAKE_SLURM_TASKS")"
+"""
+FAKE_SCONTROL = """\
+#!/usr/bin/env bash
+if [[ "$1 $2" == "show hostnames" ]]; then
+  printf "node-a\\nnode-b\\nnode-c\\nnode-d\\n"
+else
+  echo "scontrol $*" >> "$FAKE_SLURM_LOG"
+fi
+"""
+
+
+@pytest.fixture
+def slurm(tmp_path):
+    """Runs jobs/slurm.sbatch as SLURM would, on one node: srun, scancel and scontrol faked."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
+                       ("scontrol", FAKE_SCONTROL)):
+        (bin_dir / tool).write_text(text)
+        (bin_dir / tool).chmod(0o755)
+    fake = tmp_path / "fake_torchrun.py"
+    fake.write_text(FAKE_TORCHRUN)
+
+    def start(launcher_exit: str) -> subprocess.Popen:
+        env = node_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                       TORCHRUN=f"{sys.executable} {fake}", NPROC_PER_NODE="8",
+                       FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_TORCHRUN_EXIT=launcher_exit,
+                       FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
+                       FAKE_SLURM_TASKS=str(tmp_path / "tasks"), SHARED=str(tmp_path / "shared"),
+                       SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node-[a-d]",
+                       SLURM_JOB_NUM_NODES="4", SLURM_SUBMIT_DIR=str(REPO),
+                       RDZV_PRECHECK="0")  # there is no node-a to answer
+        return subprocess.Popen(["bash", str(SBATCH), "--epochs", "3"], cwd=tmp_path, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    return start
+
+
+def launched(tmp_path: Path, proc: subprocess.Popen, timeout: float = 20) -> dict:
+    """What the fake torchrun recorded, once it has started."""
+    rec = tmp_path / "rec"
+    deadline = time.monotonic() + timeout
+    while not rec.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            pytest.fail(f"the launcher never started:\n{proc.communicate()[0]}")
+        time.sleep(0.05)
+    return json.loads(rec.read_text())
+
+
+def slurm_calls(tmp_path: Path) -> list[str]:
+    """The scancel and scontrol commands the script ran (`show hostnames` aside)."""
+    log = tmp_path / "slurm.log"
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def test_sbatch_launches_every_node_alike(slurm, tmp_path):
+    proc = slurm("0")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    options, train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
+    assert options["nnodes"] == "4"
+    assert options["rdzv_endpoint"] == "node-a:29400"
+    assert options["rdzv_id"] == "42"
+    shared = tmp_path / "shared"
+    assert train == ["--data-dir", f"{shared}/data", "--checkpoint-dir", f"{shared}/checkpoints",
+                     "--logdir", f"{shared}/runs", "--epochs", "3"]
+    assert (shared / "checkpoints").is_dir()
+    assert slurm_calls(tmp_path) == []
+
+
+def test_sbatch_stops_the_workers_gracefully_and_requeues(slurm, tmp_path):
+    proc = slurm("wait")
+    try:
+        launched(tmp_path, proc)
+        proc.send_signal(signal.SIGTERM)  # what --signal=B:TERM@120 sends
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    # torchrun got SIGTERM (not srun's SIGKILL), and the job went back into the queue.
+    assert json.loads((tmp_path / "rec").read_text())["signal"] == "SIGTERM", out
+    assert slurm_calls(tmp_path) == ["scancel --signal=TERM 42", "scontrol requeue 42"], out
+    assert proc.returncode == 1  # the step's status
+
+
+def test_sbatch_does_not_requeue_a_failure(slurm, tmp_path):
+    proc = slurm("1")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 1, out
+    assert slurm_calls(tmp_path) == []
+
+
+# ---------------------------------------------------------------------------------------------
+# jobs/kubernetes/pytorchjob.yaml
+
+
+def manifests() -> dict[str, dict]:
+    return {doc["kind"]: doc for doc in yaml.safe_load_all(MANIFEST.read_text())}
+
+
+def pytorch_container(job: dict) -> dict:
+    containers = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"]
+    return next(c for c in containers if c["name"] == "pytorch")
+
+
+def test_pytorchjob_is_elastic_with_a_shared_volume():
+    docs = manifests()
+    assert sorted(docs) == ["PersistentVolumeClaim", "PyTorchJob"]
+    job = docs["PyTorchJob"]
+    assert job["apiVersion"] == "kubeflow.org/v1"
+    policy = job["spec"]["elasticPolicy"]
+    assert {k: policy[k] for k in ("minReplicas", "maxReplicas", "rdzvBackend", "maxRestarts")} \
+        == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "c10d", "maxRestarts": 3}
+    assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == MEASURED_CONF
+    worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
+    assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
+    assert worker["restartPolicy"] == "OnFailure"
+    # torchrun gives SIGTERM's checkpoint 30 s before it kills the workers: the pod must wait.
+    assert worker["template"]["spec"]["terminationGracePeriodSeconds"] > 30
+
+    container = pytorch_container(job)
+    options, train = launch_of(container["command"] + container["args"],
+                               launcher=["python", "-m", "torch.distributed.run"])
+    gpus = container["resources"]["limits"]["nvidia.com/gpu"]
+    assert int(options["nproc_per_node"]) == int(job["spec"]["nprocPerNode"]) == gpus
+    assert options["monitor_interval"] == "0.5"
+    assert train == ["--data-dir", "/shared/data", "--checkpoint-dir", "/shared/ckpt",
+                     "--logdir", "/shared/runs"]
+    assert {"name": "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "value": "1"} in container["env"]
+
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    volumes = {v["name"]: v for v in worker["template"]["spec"]["volumes"]}
+    shared = next(name for name, path in mounts.items() if path == "/shared")
+    claim = docs["PersistentVolumeClaim"]
+    assert volumes[shared]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_pytorchjob_matches_node_sh():
+    """The manifest and node.sh launch with the same measured rendezvous settings."""
+    options, _ = planned(NNODES="1:4", RDZV_ENDPOINT="h:29400")
+    policy = manifests()["PyTorchJob"]["spec"]["elasticPolicy"]
+    assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == conf_of(options)
+    container_options, _ = launch_of(pytorch_container(manifests()["PyTorchJob"])["command"],
+                                     launcher=["python", "-m", "torch.distributed.run"])
+    assert container_options["monitor_interval"] == options["monitor_interval"]
+
+
+_JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
+
+
+def _has_type(value: object, kind: str) -> bool:
+    if kind in ("integer", "number"):  # a YAML true is a bool, never a number
+        numeric = int if kind == "integer" else (int, float)
+        return isinstance(value, numeric) and not isinstance(value, bool)
+    return isinstance(value, _JSON_TYPES[kind])
+
+
+def schema_errors(value: object, schema: dict, path: str = "") -> list[str]:
+    """Where ``value`` breaks the structural OpenAPI v3 ``schema`` of a CRD, strictly: a key that
+    the schema does not declare is an error, as with `kubectl apply --validate=strict`."""
+    if schema.get("x-kubernetes-int-or-string"):
+        kinds = ["integer", "string"]
+    elif "anyOf" in schema:
+        kinds = [branch["type"] for branch in schema["anyOf"]]
+    else:
+        kinds = [schema["type"]] if "type" in schema else []
+    if kinds and not any(_has_type(value, kind) for kind in kinds):
+        return [f"{path or '.'}: {value!r} is not {' or '.join(kinds)}"]
+    errors = []
+    if "enum" in schema and value not in schema["enum"]:
+        errors.append(f"{path}: {value!r} is not one of {schema['enum']}")
+    if isinstance(value, str) and "pattern" in schema and not re.search(schema["pattern"], value):
+        errors.append(f"{path}: {value!r} does not match {schema['pattern']}")
+    if isinstance(value, dict):
+        errors += [f"{path}.{key}: required" for key in schema.get("required", ())
+                   if key not in value]
+        known, extra = schema.get("properties", {}), schema.get("additionalProperties")
+        for key, item in value.items():
+            if key in known:
+                errors += schema_errors(item, known[key], f"{path}.{key}")
+            elif isinstance(extra, dict):
+                errors += schema_errors(item, extra, f"{path}.{key}")
+            elif not (extra is True or schema.get("x-kubernetes-preserve-unknown-fields")):
+                errors.append(f"{path}.{key}: unknown field")
+    if isinstance(value, list) and "items" in schema:
+        for i, item in enumerate(value):
+            errors += schema_errors(item, schema["items"], f"{path}[{i}]")
+    return errors
+
+
+@pytest.fixture(scope="module")
+def crd_schema() -> dict:
+    if not CRD.is_file():
+        pytest.skip(f"the PyTorchJob CRD is not at {CRD}")
+    crd = yaml.safe_load(CRD.read_text())
+    version = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
+    schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+    # The API server checks an object's own metadata as ObjectMeta, which the CRD leaves as a bare
+    # object; the pod template's metadata in the same CRD is ObjectMeta's schema.
+    replica = schema["properties"]["spec"]["properties"]["pytorchReplicaSpecs"]
+    template = replica["additionalProperties"]["properties"]["template"]
+    schema["properties"]["metadata"] = template["properties"]["metadata"]
+    return schema
+
+
+def test_pytorchjob_validates_strictly_against_the_crd(crd_schema):
+    assert schema_errors(manifests()["PyTorchJob"], crd_schema) == []
+
+
+def _misspell(job):
+    policy = job["spec"]["elasticPolicy"]
+    policy["maxReplica"] = policy.pop("maxReplicas")
+
+
+def _unknown_container_field(job):
+    pytorch_container(job)["volumeMount"] = pytorch_container(job).pop("volumeMounts")
+
+
+def _quoted_number(job):
+    job["spec"]["elasticPolicy"]["minReplicas"] = "1"
+
+
+def _unquoted_conf_value(job):
+    job["spec"]["elasticPolicy"]["rdzvConf"][0]["value"] = 600
+
+
+def _nameless_container(job):
+    del pytorch_container(job)["name"]
+
+
+@pytest.mark.parametrize(("mutate", "where"), [
+    (_misspell, ".spec.elasticPolicy.maxReplica: unknown field"),
+    (_unknown_container_field, ".containers[0].volumeMount: unknown field"),
+    (_quoted_number, ".spec.elasticPolicy.minReplicas: '1' is not integer"),
+    (_unquoted_conf_value, ".spec.elasticPolicy.rdzvConf[0].value: 600 is not string"),
+    (_nameless_container, ".containers[0].name: required"),
+], ids=lambda x: getattr(x, "__name__", "")[1:] or None)
+def test_crd_validation_catches_mistakes(crd_schema, mutate, where):
+    job = copy.deepcopy(manifests()["PyTorchJob"])
+    mutate(job)
+    errors = schema_errors(job, crd_schema)
+    assert len(errors) == 1 and errors[0].endswith(where), errors
+
+
+def test_schema_validator_keywords():
+    schema = {"type": "object", "required": ["mode"], "properties": {
+        "mode": {"type": "string", "enum": ["a", "b"]},
+        "size": {"x-kubernetes-int-or-string": True, "anyOf": [{"type": "integer"},
+                                                               {"type": "string"}]},
+        "labels": {"type": "object", "additionalProperties": {"type": "string"}},
+        "free": {"type": "object", "x-kubernetes-preserve-unknown-fields": True},
+        "flag": {"type": "boolean"}, "count": {"type": "integer"}}}
+    good = {"mode": "a", "size": "1Gi", "labels": {"x": "y"}, "free": {"any": [1]},
+            "flag": True, "count": 2}
+    assert schema_errors(good, schema) == []
+    assert schema_errors({**good, "size": 3}, schema) == []
+    assert schema_errors({**good, "mode": "c"}, schema) == [".mode: 'c' is not one of ['a', 'b']"]
+    assert schema_errors({**good, "size": 1.5}, schema) == [".size: 1.5 is not integer or string"]
+    assert schema_errors({**good, "labels": {"x": 1}}, schema) == [".labels.x: 1 is not string"]
+    assert schema_errors({**good, "count": True}, schema) == [".count: True is not integer"]
+    assert schema_errors({"size": 1}, schema) == [".mode: required"]
+
+
+# ---------------------------------------------------------------------------------------------
+# elastic_mnist/rendezvous.py
+
+SERVE = ("import logging, sys; logging.basicConfig(level=logging.INFO, format='%(message)s'); "
+         "from elastic_mnist.rendezvous import serve; sys.exit(serve('127.0.0.1', 0))")
+
+
+@pytest.fixture
+def store_process():
+    """`serve` in a process of its own on a port the OS picks; yields (process, port)."""
+    proc = subprocess.Popen([sys.executable, "-c", SERVE], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        line = proc.stdout.readline()
+        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+)\n", line)
+        assert found, line + proc.stdout.read()
+        yield proc, int(found.group(1))
+    finally:
+        kill_tree(proc.pid)
+
+
+def test_rendezvous_store_serves_agents_and_stops_on_sigterm(store_process):
+    from torch.distributed import TCPStore
+
+    proc, port = store_process
+    first = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    second = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10))
+    first.set("torch.rendezvous.job/state", "round 1")
+    assert second.get("torch.rendezvous.job/state") == b"round 1"
+    assert first.add("joined", 1) == 1 and second.add("joined", 1) == 2
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=10) == 0
+    assert "stopping" in proc.stdout.read()
+
+
+def test_rendezvous_port_in_use_is_one_clear_line(store_process):
+    _, port = store_process
+    with pytest.raises(RendezvousError) as caught:
+        serve("127.0.0.1", port)
+    assert str(caught.value).startswith(f"port {port} is already in use")
+    assert "\n" not in str(caught.value)
+
+
+def test_rendezvous_refuses_a_port_that_is_no_port():
+    with pytest.raises(RendezvousError, match="port 70000 is not a TCP port"):
+        serve("127.0.0.1", 70000)
+
+
+def test_rendezvous_arguments():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert vars(parser.parse_args([])) == {"host": "localhost", "port": DEFAULT_PORT}
+    assert vars(parser.parse_args(["--host", "store.internal", "--port", "0"])) == \
+        {"host": "store.internal", "port": 0}
