@@ -10,8 +10,9 @@ CHECKPOINT_DIR ?= checkpoints
 LOGDIR         ?= runs
 TRAIN_ARGS     ?=
 PORT           ?= 6006
+CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard lint clean
+.PHONY: install train test test-fast tensorboard chaos lint clean
 
 install: $(STAMP)
 
@@ -32,6 +33,10 @@ test-fast: $(STAMP)
 
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --bind_all
+
+# Simulated nodes on loopback, random faults (CHAOS_ARGS="--seed 3 --faults 8" for others).
+chaos: $(STAMP)
+	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check elastic_mnist scripts tests

@@ -1,0 +1,408 @@
+#!/usr/bin/env python3
+"""Chaos harness: simulated nodes on loopback, real faults, and a verdict.
+
+    scripts/chaos.py [--nodes 3] [--faults 5] [--seed 0] [--schedule 120:kill-node:0,...]
+
+Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh`` (one worker
+each), meeting at a rendezvous store served by ``elastic-mnist rendezvous`` (or, with
+``--store agent``, by the first node's agent), training on small synthetic digits with
+``--audit-samples``. At chosen optimizer steps it injects faults:
+
+    kill-node     SIGKILL of a node's whole process tree (agent and workers)
+    kill-worker   SIGKILL of one worker; its agent restarts it
+    preempt-node  SIGTERM to a node's agent: the job stops at an agreed step, checkpoints, and
+                  goes on without the node, which comes back (is requeued) a few seconds later
+    leave         SIGINT to a node's agent: the node leaves for good (until a later join)
+    join          a new node joins the running job
+
+Then it checks, and exits 1 on any failure: the job finished; every completed epoch used every
+sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
+uninterrupted run's; every checkpoint left is valid. It prints, per fault, the time until the old
+workers were gone (the job noticed), until the next worker group started, and until its first
+completed step, and how many steps were redone. Times come from the run's events.jsonl and audit
+records, and from watching the processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join")
+REQUEUE_DELAY_S = 3.0
+
+
+@dataclass
+class Fault:
+    step: int
+    kind: str
+    node: int | None = None
+    # Filled in when it happens:
+    at: float = 0.0
+    noticed: float | None = None
+    restarted: float | None = None
+    first_step: float | None = None
+    steps_redone: int | None = None
+    old_workers: list[int] = field(default_factory=list)
+
+    def describe(self) -> str:
+        return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signals ``pid`` and every descendant: torchrun's workers live in sessions of their own."""
+    try:
+        root = psutil.Process(pid)
+        procs = [*root.children(recursive=True), root]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+
+
+def worker_pids(pid: int) -> list[int]:
+    try:
+        return [p.pid for p in psutil.Process(pid).children(recursive=True)
+                if "elastic_mnist" in " ".join(p.cmdline()) and "train" in p.cmdline()]
+    except psutil.NoSuchProcess:
+        return []
+
+
+class Cluster:
+    """Simulated nodes on this machine, each a `jobs/node.sh` agent in a session of its own."""
+
+    def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
+                 env: dict[str, str]):
+        self.workdir, self.train_args, self.max_nodes, self.store = (workdir, train_args,
+                                                                     max_nodes, store)
+        self.port = free_port()
+        self.env = env
+        self.nodes: dict[int, subprocess.Popen] = {}
+        self.exited: dict[int, int] = {}
+        self.store_proc: subprocess.Popen | None = None
+        self._next_id = 0
+
+    def start_store(self) -> None:
+        if self.store == "external":
+            log = open(self.workdir / "store.log", "w")  # noqa: SIM115 - the child's
+            self.store_proc = subprocess.Popen(
+                [sys.executable, "-m", "elastic_mnist", "rendezvous", "--host", "127.0.0.1",
+                 "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=self.env)
+
+    def start_node(self) -> int:
+        node = self._next_id
+        self._next_id += 1
+        env = {**self.env, "NNODES": f"1:{self.max_nodes}", "NPROC_PER_NODE": "1",
+               "RDZV_ENDPOINT": f"127.0.0.1:{self.port}", "RUN_ID": "chaos",
+               "MAX_RESTARTS": "100", "RDZV_STORE": self.store}
+        if self.store == "agent":
+            env["RDZV_IS_HOST"] = "true" if node == 0 else "false"
+        log = open(self.workdir / f"node{node}.log", "w")  # noqa: SIM115 - the child's
+        self.nodes[node] = subprocess.Popen(
+            ["bash", str(REPO / "jobs" / "node.sh"), *self.train_args], cwd=self.workdir,
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        return node
+
+    def alive(self) -> list[int]:
+        for node, proc in list(self.nodes.items()):
+            if proc.poll() is not None:
+                self.exited[node] = proc.returncode
+                del self.nodes[node]
+        return sorted(self.nodes)
+
+    def workers(self) -> list[int]:
+        return [pid for proc in self.nodes.values() for pid in worker_pids(proc.pid)]
+
+    def victims(self) -> list[int]:
+        """Nodes a fault may take: never the store's host, never the last one."""
+        alive = self.alive()
+        candidates = [n for n in alive if not (self.store == "agent" and n == 0)]
+        return candidates if len(alive) > 1 else []
+
+    def stop(self) -> None:
+        for proc in self.nodes.values():
+            kill_tree(proc.pid)
+        if self.store_proc is not None:
+            self.store_proc.terminate()
+            self.store_proc.wait(timeout=10)
+
+
+class Observer:
+    """Reads the run's progress: audit records (a line per rank per step) and events.jsonl."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+
+    def audit(self) -> list[dict]:
+        records = []
+        for path in sorted((self.run_dir / "audit").glob("g*-r*.jsonl")):
+            generation = int(path.name[1:].split("-")[0])
+            for line in path.read_text().splitlines():
+                try:
+                    records.append({**json.loads(line), "generation": generation})
+                except ValueError:
+                    pass  # a line cut short by a kill
+        return records
+
+    def events(self) -> list[dict]:
+        path = self.run_dir / "events.jsonl"
+        if not path.exists():
+            return []
+        out = []
+        for line in path.read_text().splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def step(self) -> int:
+        return max((r["step"] for r in self.audit()), default=0)
+
+    def finished(self) -> bool:
+        return any(e["event"] == "finish" for e in self.events())
+
+
+def utc_seconds(iso: str) -> float:
+    from datetime import datetime
+
+    return datetime.fromisoformat(iso).timestamp()
+
+
+def random_schedule(rng: random.Random, faults: int, first: int, last: int) -> list[Fault]:
+    """Fault steps spread over [first, last], kinds mixed: every kind appears when faults >= 5."""
+    kinds = list(KINDS) * (faults // len(KINDS) + 1)
+    chosen = kinds[:faults] if faults >= len(KINDS) else rng.sample(KINDS, faults)
+    rng.shuffle(chosen)
+    gap = (last - first) // max(faults, 1)
+    return [Fault(step=first + i * gap + rng.randrange(max(gap // 3, 1)), kind=kind)
+            for i, kind in enumerate(chosen)]
+
+
+def parse_schedule(text: str) -> list[Fault]:
+    """``STEP:KIND[:NODE],...``: e.g. ``40:kill-node:0,90:join``."""
+    faults = []
+    for item in text.split(","):
+        step, kind, *node = item.split(":")
+        if kind not in KINDS:
+            raise SystemExit(f"chaos: unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
+        faults.append(Fault(step=int(step), kind=kind, node=int(node[0]) if node else None))
+    return sorted(faults, key=lambda f: f.step)
+
+
+def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
+    """Carries the fault out; False when it cannot be (e.g. no node may be taken)."""
+    fault.old_workers = cluster.workers()
+    fault.at = time.time()
+    if fault.kind == "join":
+        if len(cluster.alive()) >= cluster.max_nodes:
+            return False
+        fault.node = cluster.start_node()
+        return True
+    victims = cluster.victims()
+    if fault.node is None and victims:
+        fault.node = rng.choice(victims)
+    if fault.node not in victims:
+        return False
+    agent = cluster.nodes[fault.node]
+    if fault.kind == "kill-node":
+        kill_tree(agent.pid)
+    elif fault.kind == "kill-worker":
+        pids = worker_pids(agent.pid)
+        if not pids:
+            return False
+        os.kill(pids[0], signal.SIGKILL)
+    elif fault.kind == "preempt-node":
+        agent.send_signal(signal.SIGTERM)
+    elif fault.kind == "leave":
+        agent.send_signal(signal.SIGINT)
+    return True
+
+
+def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
+    """Times the job's answer to a fault: old workers gone, new group started, first new step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        now = time.time()
+        if fault.noticed is None and not any(psutil.pid_exists(p) and
+                                             psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                             for p in fault.old_workers):
+            fault.noticed = now
+        starts = [e for e in observer.events()
+                  if e["event"] == "start" and utc_seconds(e["time"]) > fault.at]
+        if starts and fault.restarted is None:
+            fault.restarted = utc_seconds(starts[0]["time"])
+            generation = starts[0]["restart_generation"]
+            done_before = [r["step"] for r in observer.audit() if r["generation"] < generation]
+            resumed = starts[0]["resumed_from_step"] or 0
+            fault.steps_redone = max(done_before, default=0) - resumed
+        if fault.restarted is not None:
+            new = [r["time"] for r in observer.audit()
+                   if r["generation"] >= starts[0]["restart_generation"]]
+            if new:
+                fault.first_step = min(new)
+                return
+        time.sleep(0.05)
+
+
+def run_reference(workdir: Path, train_args: list[str], env: dict[str, str]) -> float:
+    """Test accuracy of the same training, uninterrupted, in one process."""
+    args = [a.replace(str(workdir / "shared"), str(workdir / "reference")) for a in train_args]
+    args = [a for a in args if a != "--audit-samples"]
+    subprocess.run([sys.executable, "-m", "elastic_mnist", *args], env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return evaluate(workdir / "reference" / "ckpt", env)["accuracy"]
+
+
+def evaluate(checkpoint_dir: Path, env: dict[str, str]) -> dict:
+    done = subprocess.run([sys.executable, "-m", "elastic_mnist", "evaluate", "--checkpoint-dir",
+                           str(checkpoint_dir), "--json"], env=env, capture_output=True,
+                          text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(faults: list[Fault]) -> str:
+    def seconds(t: float | None, since: float) -> str:
+        return "—" if t is None else f"{t - since:.1f}"
+
+    header = ("| fault | at step | noticed (s) | restarted (s) | first step after (s) | "
+              "steps redone |")
+    rows = [header, "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    for f in faults:
+        rows.append(f"| {f.describe()} | {f.step} | {seconds(f.noticed, f.at)} | "
+                    f"{seconds(f.restarted, f.at)} | {seconds(f.first_step, f.at)} | "
+                    f"{'—' if f.steps_redone is None else f.steps_redone} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nodes", type=int, default=3, help="simulated nodes at most (3)")
+    parser.add_argument("--start-nodes", type=int, default=2, help="nodes at the start (2)")
+    parser.add_argument("--faults", type=int, default=5, help="random faults to inject (5)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random schedule (0)")
+    parser.add_argument("--schedule", default="",
+                        help="STEP:KIND[:NODE],... instead of random faults")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of the job (400)")
+    parser.add_argument("--store", choices=("external", "agent"), default="external",
+                        help="who serves the rendezvous store (external)")
+    parser.add_argument("--tolerance", type=float, default=0.02,
+                        help="allowed accuracy difference to the uninterrupted run (0.02)")
+    parser.add_argument("--workdir", type=Path, default=None,
+                        help="where data, checkpoints and logs go (default: a temp folder)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
+    args = parser.parse_args(argv)
+    if not 1 <= args.start_nodes <= args.nodes:
+        parser.error("--start-nodes must be between 1 and --nodes")
+
+    rng = random.Random(args.seed)
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    data = workdir / "data"
+    subprocess.run([sys.executable, "-m", "elastic_mnist", "synth", "--out", str(data),
+                    "--train", "1280", "--test", "512", "--seed", str(args.seed)], env=env,
+                   check=True, stdout=subprocess.DEVNULL)
+    shared = workdir / "shared"
+    train_args = ["--dataset", "synthetic", "--data-dir", str(data), "--global-batch-size", "64",
+                  "--micro-batch-size", "16", "--epochs", "1000", "--max-steps", str(args.steps),
+                  "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
+                  "--run-id", "chaos", "--checkpoint-every", "10", "--log-every", "10",
+                  "--audit-samples"]
+    faults = (parse_schedule(args.schedule) if args.schedule else
+              random_schedule(rng, args.faults, args.steps // 10, args.steps * 3 // 4))
+    print(f"chaos: {args.start_nodes} of up to {args.nodes} nodes, store {args.store}, "
+          f"{len(faults)} faults: {', '.join(f'{f.kind}@{f.step}' for f in faults)}")
+    print(f"chaos: work folder {workdir}")
+
+    reference_accuracy = run_reference(workdir, ["train", *train_args], env)
+    cluster = Cluster(workdir, train_args, args.nodes, args.store, env)
+    observer = Observer(shared / "runs" / "chaos")
+    failures: list[str] = []
+    deadline = time.time() + args.timeout
+    try:
+        cluster.start_store()
+        for _ in range(args.start_nodes):
+            cluster.start_node()
+        for fault in faults:
+            while observer.step() < fault.step and not observer.finished():
+                if time.time() > deadline:
+                    raise TimeoutError(f"the job did not reach step {fault.step} in time")
+                time.sleep(0.05)
+            if observer.finished():
+                failures.append(f"the job finished before the fault at step {fault.step}")
+                break
+            if not inject(fault, cluster, rng):
+                print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
+                continue
+            print(f"chaos: {fault.describe()} at step {observer.step()}")
+            watch_recovery(fault, observer, timeout=120)
+            if fault.kind == "preempt-node":
+                time.sleep(REQUEUE_DELAY_S)
+                cluster.start_node()  # requeued
+        while not observer.finished() and time.time() < deadline:
+            cluster.alive()
+            time.sleep(0.2)
+        time.sleep(2)  # the agents' exit barrier
+        cluster.alive()
+    except TimeoutError as e:
+        failures.append(str(e))
+    finally:
+        cluster.stop()
+
+    if not observer.finished():
+        failures.append("the job did not finish")
+    audit = subprocess.run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
+                            str(observer.run_dir), "--num-samples", "1280"],
+                           capture_output=True, text=True, env=env, check=False)
+    if audit.returncode != 0:
+        failures.append(f"sample audit: {audit.stdout.strip() or audit.stderr.strip()}")
+    report = json.loads(subprocess.run(
+        [sys.executable, "-m", "elastic_mnist", "inspect", "--checkpoint-dir",
+         str(shared / "ckpt"), "--json"], env=env, capture_output=True, text=True,
+        check=True).stdout)
+    corrupt = [c["file"] for c in report["checkpoints"] if not c["valid"]]
+    if corrupt:
+        failures.append(f"invalid checkpoints: {corrupt}")
+    if observer.finished():
+        accuracy = evaluate(shared / "ckpt", env)["accuracy"]
+        print(f"chaos: final test accuracy {accuracy:.4f}, uninterrupted {reference_accuracy:.4f}")
+        if abs(accuracy - reference_accuracy) > args.tolerance:
+            failures.append(f"accuracy {accuracy:.4f} is not within {args.tolerance} of the "
+                            f"uninterrupted run's {reference_accuracy:.4f}")
+    missing = [f.describe() for f in faults if f.at and f.first_step is None]
+    if missing:
+        failures.append(f"no completed step seen after: {missing}")
+
+    print(table([f for f in faults if f.at]))
+    for failure in failures:
+        print(f"FAIL {failure}")
+    print("chaos: PASS" if not failures else "chaos: FAIL")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

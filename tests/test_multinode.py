@@ -1,0 +1,51 @@
+"""Several torchrun agents on loopback, each through jobs/node.sh: nodes lost, rejoined, and the
+rendezvous store outliving the first node. Driven by the chaos harness (scripts/chaos.py)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from launch import REPO, cli_cmd, run
+
+from elastic_mnist.events import read_events
+
+sys.path.insert(0, str(REPO / "scripts"))
+import chaos
+
+pytestmark = pytest.mark.slow
+
+
+def starts(workdir) -> list[dict]:
+    events = read_events(workdir / "shared" / "runs" / "chaos" / "events.jsonl")
+    return [e for e in events if e["event"] == "start"]
+
+
+def test_a_lost_node_leaves_the_job_running_and_a_new_one_grows_it_back(tmp_path):
+    # The agent-hosted store lives on node 0, so the harness takes node 1.
+    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "agent", "--steps",
+                         "150", "--schedule", "30:kill-node:1,80:join", "--workdir",
+                         str(tmp_path)])
+    assert status == 0  # finished; every sample once per epoch; accuracy; valid checkpoints
+    worlds = [s["world_size"] for s in starts(tmp_path)]
+    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+
+
+def test_the_external_store_outlives_the_first_node(tmp_path):
+    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "external", "--steps",
+                         "120", "--schedule", "30:kill-node:0", "--workdir", str(tmp_path)])
+    assert status == 0
+    worlds = [s["world_size"] for s in starts(tmp_path)]
+    assert worlds == [2, 1], worlds
+
+
+def test_a_port_in_use_for_the_store_is_a_clear_error():
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        done = run(cli_cmd("rendezvous", "--host", "127.0.0.1", "--port", str(port)),
+                   timeout=60)
+    assert done.returncode == 2
+    line = done.stdout.strip().splitlines()[-1]
+    assert line.startswith("elastic-mnist rendezvous: error:") and str(port) in line
