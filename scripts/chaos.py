@@ -43,6 +43,9 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join")
 REQUEUE_DELAY_S = 3.0
+# torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
+TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
+                     "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.1"}
 
 
 @dataclass
@@ -313,6 +316,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data, checkpoints and logs go (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
+    parser.add_argument("--rdzv-defaults", action="store_true",
+                        help="torchrun's default rendezvous timing instead of jobs/node.sh's")
+    parser.add_argument("--json", type=Path, default=None,
+                        help="also write the faults and their timings to this file")
     args = parser.parse_args(argv)
     if not 1 <= args.start_nodes <= args.nodes:
         parser.error("--start-nodes must be between 1 and --nodes")
@@ -321,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           **(TORCHRUN_DEFAULTS if args.rdzv_defaults else {})}
     data = workdir / "data"
     subprocess.run([sys.executable, "-m", "elastic_mnist", "synth", "--out", str(data),
                     "--train", "1280", "--test", "512", "--seed", str(args.seed)], env=env,
@@ -398,6 +406,14 @@ def main(argv: list[str] | None = None) -> int:
         failures.append(f"no completed step seen after: {missing}")
 
     print(table([f for f in faults if f.at]))
+    if args.json:
+        args.json.write_text(json.dumps({
+            "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,
+            "faults": [{"kind": f.kind, "node": f.node, "step": f.step,
+                        **{name: None if t is None else t - f.at
+                           for name, t in (("noticed_s", f.noticed), ("restarted_s", f.restarted),
+                                           ("first_step_s", f.first_step))},
+                        "steps_redone": f.steps_redone} for f in faults if f.at]}, indent=2))
     for failure in failures:
         print(f"FAIL {failure}")
     print("chaos: PASS" if not failures else "chaos: FAIL")
