@@ -30,7 +30,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
+from processes import free_port, kill_tree
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join")
@@ -63,26 +63,6 @@ class Fault:
 
     def describe(self) -> str:
         return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signals ``pid`` and every descendant: torchrun's workers live in sessions of their own."""
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
 
 
 def worker_pids(pid: int) -> list[int]:

@@ -7,9 +7,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
-
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+from processes import free_port, kill_tree  # noqa: F401 - shared with the scripts
+
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                  "MASTER_ADDR", "MASTER_PORT")
@@ -35,21 +37,6 @@ def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:
 
 def cli_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "elastic_mnist", *args]
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every descendant (torchrun's workers live in sessions of their own)."""
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def start(cmd: list[str], log: Path | None = None, env: dict[str, str] | None = None,

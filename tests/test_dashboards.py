@@ -6,7 +6,6 @@ import io
 import itertools
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from launch import clean_env, cli_cmd, kill_tree, run, start, torchrun_cmd
+from launch import clean_env, cli_cmd, free_port, kill_tree, run, start, torchrun_cmd
 from PIL import Image
 from test_elastic import committed_step, wait_until, workers
 
@@ -111,12 +110,6 @@ def test_resized_run_records_the_resize(resized_run):
     assert (resize["old_world_size"], resize["new_world_size"]) == (2, 1)
     preempted = next(e for e in events if e["event"] == "preempted")
     assert resize["step"] == preempted["step"]  # resumed exactly where it stopped
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_tensorboard_serves_the_run(resized_run):
