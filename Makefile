@@ -12,7 +12,7 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard chaos lint clean
+.PHONY: install train test test-fast tensorboard chaos lint clean bench
 
 install: $(STAMP)
 
@@ -37,6 +37,13 @@ tensorboard: $(STAMP)
 # Simulated nodes on loopback, random faults (CHAOS_ARGS="--seed 3 --faults 8" for others).
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
+
+# make bench: every contender on this machine (scripts/bench.py), then the README's table
+# (BENCH_ARGS="--real-data DIR" adds the real digits' rows).
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
+	$(BIN)/python scripts/bench.py --update-readme
 
 lint: $(STAMP)
 	$(BIN)/ruff check elastic_mnist scripts tests

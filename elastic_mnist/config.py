@@ -81,6 +81,12 @@ class RunConfig:
     """Name of the run (default: the one kept beside the checkpoints, else torchrun's, else new)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda:LOCAL_RANK with NCCL when a GPU is visible, else CPU with gloo."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """Arithmetic of the forward pass: fp32, or bf16 autocast (weights and optimizer stay fp32)."""
+    channels_last: bool = False
+    """Keep weights and activations channels-last (NHWC), the layout of fast GPU convolutions."""
+    compile: bool = False
+    """torch.compile the model, with CUDA graphs on a GPU (compiling adds to the start-up)."""
     log_every: int = 20
     """Log training scalars every N optimizer steps."""
     pg_timeout: float = 120.0

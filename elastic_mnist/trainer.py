@@ -95,10 +95,12 @@ class AuditLog:
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
     def record(self, step: int, epoch: int, rank: int, world_size: int,
-               indices: list[int]) -> None:
-        if self.file is not None:
+               micro_batches: list[torch.Tensor]) -> None:
+        if self.file is not None:  # the indices leave the device only for the audit
+            indices = torch.cat(micro_batches).tolist() if micro_batches else []
             self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
-                                        "world_size": world_size, "indices": indices}) + "\n")
+                                        "world_size": world_size, "time": time.time(),
+                                        "indices": indices}) + "\n")
 
     def close(self) -> None:
         if self.file is not None:
@@ -147,27 +149,37 @@ class Trainer:
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
                                  o.seed)
+        self._epoch_order: tuple[int, torch.Tensor] | None = None  # (epoch, order on the device)
         self.total_steps = o.epochs * self.order.steps_per_epoch
         if o.max_steps:
             self.total_steps = min(self.total_steps, o.max_steps)
 
+        if device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # shapes never change: autotune once
         self.model = build_model(o.seed).to(device)
-        self.bn_stats = GlobalBatchNormStats(self.model)
+        if cfg.run.channels_last:
+            self.model.to(memory_format=torch.channels_last)
+        self.bn_stats = GlobalBatchNormStats(self.model, compiled=cfg.run.compile)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay,
+                                           fused=device.type == "cuda")  # one kernel, not dozens
         self.ddp: DistributedDataParallel | None = None
-        if env.world_size > 1 and o.grad_sync == "ddp":
+        if env.is_distributed and o.grad_sync == "ddp":  # under torchrun, even alone
             with warnings.catch_warnings():  # its successor would sync buffers at start-up
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
                 self.ddp = DistributedDataParallel(
                     self.model, device_ids=[device.index] if device.type == "cuda" else None,
                     broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
-                    bucket_cap_mb=1, gradient_as_bucket_view=True)
+                    bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
+                    gradient_as_bucket_view=True)  # no copy between gradients and bucket
             self.ddp.register_comm_hook(None, sum_allreduce_hook)
         elif env.world_size > 1:
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=0)
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
+        if cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
+            self.net = torch.compile(self.net,
+                                     mode="reduce-overhead" if device.type == "cuda" else None)
         self.progress = Progress()
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
@@ -216,7 +228,7 @@ class Trainer:
         """Trains until done or asked to stop; returns 'finished' or 'preempted'."""
         window = _Window()
         while not self.done():
-            batch = self.order.global_batch(self.progress.epoch, self.progress.cursor)
+            batch = self.global_batch()
             result = self.train_step(batch, stop.requested)
             epoch_ended = self.advance(len(batch))
             window.add(result)
@@ -234,6 +246,15 @@ class Trainer:
             if result.stop_requested:
                 return "preempted"
         return "finished"
+
+    def global_batch(self) -> torch.Tensor:
+        """The next step's sample indices, on the data's device: each epoch's order is moved
+        there once, so that no step copies indices from the host."""
+        epoch, cursor = self.progress.epoch, self.progress.cursor
+        if self._epoch_order is None or self._epoch_order[0] != epoch:
+            order = self.order.permutation(epoch).to(self.train_data.labels.device)
+            self._epoch_order = (epoch, order)
+        return self._epoch_order[1][cursor:cursor + self.order.global_batch_size]
 
     def train_step(self, batch: torch.Tensor, stop_requested: bool) -> StepResult:
         """One optimizer step over a global batch; all ranks learn whether any wants to stop."""
@@ -256,11 +277,12 @@ class Trainer:
         data_wait = 0.0
         for i, indices in enumerate(mine):
             fetch_start = time.perf_counter()
-            images, labels = self.train_data.batch(indices.to(self.train_data.labels.device))
+            images, labels = self.train_data.batch(indices)
             data_wait += time.perf_counter() - fetch_start
             with self.bn_stats.record(counts), self._sync_gradients(i == len(mine) - 1):
-                logits = self.net(images)
-                loss = F.cross_entropy(logits, labels, reduction="sum")
+                with self._autocast():
+                    logits = self.net(images)
+                    loss = F.cross_entropy(logits, labels, reduction="sum")
                 (loss * scale).backward()
             if counts:
                 loss_sum += loss.detach().double()
@@ -269,8 +291,7 @@ class Trainer:
             self._all_reduce_gradients()
 
         # One collective for the step's scalars: loss, accuracy, stop flag, BatchNorm statistics.
-        flag = torch.tensor([1.0 if stop_requested else 0.0], dtype=torch.float64,
-                            device=self.device)
+        flag = torch.full((1,), float(stop_requested), dtype=torch.float64, device=self.device)
         packed = torch.cat([loss_sum.view(1), correct.view(1), flag,
                             self.bn_stats.local_sums(self.device)])
         distributed.all_reduce_(packed)
@@ -278,11 +299,16 @@ class Trainer:
         self.optimizer.step()
 
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
-                          self.env.world_size, torch.cat(mine).tolist() if counts else [])
+                          self.env.world_size, mine if counts else [])
         loss_total, correct_total, stops = packed[:3].tolist()
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
                           samples=len(batch), stop_requested=stops > 0,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait)
+
+    def _autocast(self) -> torch.autocast:
+        """The forward pass in bf16 under ``--precision bf16``, else as it is."""
+        return torch.autocast(self.device.type, dtype=torch.bfloat16,
+                              enabled=self.cfg.run.precision == "bf16")
 
     def _sync_gradients(self, last_micro_batch: bool):
         """DDP syncs gradients on a rank's last micro-batch only (accumulating before it)."""

@@ -1,0 +1,128 @@
+"""scripts/bench.py at smoke-test sizes: it runs, writes results.json and the README's table.
+
+Nothing here asserts a speed: these runs are far too short, and the machine is shared.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+
+import pytest
+import torch
+from launch import REPO, clean_env, run
+
+sys.path.insert(0, str(REPO / "scripts"))
+import bench
+
+BENCH = [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick"]
+
+
+def bench_run(tmp_path, digits, *only: str) -> dict:
+    out = tmp_path / "results.json"
+    done = run([*BENCH, "--data-dir", str(digits), "--device", "cpu", "--only", ",".join(only),
+                "--out", str(out)], env=clean_env(), timeout=280)
+    assert done.returncode == 0, done.stdout
+    assert "| Seed loop" in done.stdout or "seed" not in only
+    return json.loads(out.read_text())
+
+
+def test_single_process_contenders_write_their_figures(tiny_digits, tmp_path):
+    results = bench_run(tmp_path, tiny_digits, "seed", "worker", "checkpoint", "floor", "paired")
+    assert results["device"] == "cpu" and results["threads"]["per_process"] == 1
+    assert results["data"]["kind"] == "synthetic" and not results["errors"]
+    figures = results["figures"]
+    for name in ("seed_samples_per_s", "worker_samples_per_s", "floor_samples_per_s",
+                 "ckpt_cost_ms", "ckpt_blocking_ms", "worker_peak_rss_mb",
+                 "worker_vs_seed", "worker_vs_floor_pct", "ckpt_overhead_pct",
+                 "paired_floor_samples_per_s", "paired_worker_vs_floor_pct",
+                 "paired_ddp_overhead_pct"):
+        figure = figures[name]
+        assert figure["min"] <= figure["median"] <= figure["max"], name
+        assert len(figure["runs"]) == 1
+    assert figures["worker_samples_per_s"]["median"] > 0
+    assert set(results["targets"]) >= {"worker_vs_seed", "paired_worker_vs_floor_pct",
+                                       "paired_ddp_overhead_pct", "ckpt_blocking_ms",
+                                       "worker_peak_rss_mb"}
+
+
+@pytest.mark.slow
+def test_torchrun_contenders_measure_ddp_and_recovery(tiny_digits, tmp_path):
+    results = bench_run(tmp_path, tiny_digits, "worker", "ddp", "recovery_shipped",
+                        "recovery_defaults")
+    figures = results["figures"]
+    assert "ddp_run_overhead_pct" in figures
+    for launch in ("shipped", "defaults"):
+        took = figures[f"recovery_{launch}_s"]["median"]
+        assert 0 < figures[f"recovery_{launch}_start_s"]["median"] <= took < 120
+
+
+def test_real_split_is_made_from_the_mnist_test_files(tmp_path):
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.data.idx import write_idx
+
+    images = torch.randint(0, 256, (10_000, 28, 28), dtype=torch.uint8)
+    labels = torch.randint(0, 10, (10_000,), dtype=torch.uint8)
+    for name, tensor in (("t10k-images-idx3-ubyte", images), ("t10k-labels-idx1-ubyte", labels)):
+        write_idx(tmp_path / name, tensor)
+        (tmp_path / f"{name}.gz").write_bytes(gzip.compress((tmp_path / name).read_bytes()))
+        (tmp_path / name).unlink()
+    split = load(bench.prepare_real_split(tmp_path, tmp_path / "work"), "mnist")
+    assert torch.equal(split.train.images, images[:8000])
+    assert torch.equal(split.test.labels, labels[8000:].long())
+
+
+def results_with(**medians: float) -> dict:
+    reps = [{name: value * scale for name, value in medians.items()} for scale in (0.9, 1, 1.2)]
+    results = {"figures": bench.summarize(reps), "errors": {}, "generated": "2026-01-01T00:00Z",
+               "torch": "2.x", "device": "cpu", "threads": {"per_process": 1},
+               "machine": {"cpu": "a CPU", "cores": 2, "memory_gib": 8.0, "gpu": None},
+               "data": {"kind": "synthetic"},
+               "method": {"repetitions": 3, "batch": 100, "tuned_flags": ["--channels-last"],
+                          "gpu_fast_batch": 1000, "real_epochs": 5}}
+    return results
+
+
+def test_figures_are_medians_with_their_spread():
+    summary = bench.summarize([{"a": 3.0}, {"a": 1.0, "b": 5.0}, {"a": 2.0}])
+    assert summary["a"] == {"min": 1.0, "median": 2.0, "max": 3.0, "runs": [3.0, 1.0, 2.0]}
+    assert summary["b"]["median"] == 5.0
+
+
+def test_ratios_are_taken_within_a_repetition():
+    derived = bench.ratios({"worker_samples_per_s": 300.0, "seed_samples_per_s": 200.0,
+                            "floor_samples_per_s": 400.0, "ddp_samples_per_s": 240.0})
+    assert derived["worker_vs_seed"] == 1.5
+    assert derived["worker_vs_floor_pct"] == 75.0
+    assert derived["ddp_run_overhead_pct"] == pytest.approx(25.0)
+
+
+def test_a_save_costs_the_steps_it_touched_over_their_neighbours():
+    steps = {step: 0.030 for step in range(1, 101)}
+    steps[41] += 0.004  # the save after step 40 blocks, its write overlaps the next step
+    steps[42] += 0.002
+    steps[43] += 0.050  # a hiccup of the machine, after the write was committed
+    costs = bench.save_costs(steps, [(40, 0.031)])
+    assert costs == [pytest.approx(0.006)]
+
+
+def test_table_judges_targets_on_the_median():
+    table = bench.table(results_with(worker_vs_seed=1.6, ckpt_blocking_ms=8.0))
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert "met" in rows["Our worker ÷ seed loop"] and "NOT" not in rows["Our worker ÷ seed loop"]
+    assert "NOT MET" in rows["Blocking time per save"]
+
+
+def test_readme_update_touches_only_the_bench_section(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# Title\n\n## Performance\n\n{bench.README_BEGIN}\nstale table\n"
+                      f"{bench.README_END}\n\n## Accuracy\n\nkept\n")
+    results = tmp_path / "results.json"
+    results.write_text(json.dumps(results_with(worker_vs_seed=2.0)))
+    bench.update_readme(results, readme)
+    text = readme.read_text()
+    assert text.startswith("# Title\n\n## Performance\n\n")
+    assert text.endswith(f"{bench.README_END}\n\n## Accuracy\n\nkept\n")
+    assert "stale table" not in text and "| Our worker ÷ seed loop | 2 |" in text
+    assert "make bench" in text and "a CPU, 2 cores" in text

@@ -1,0 +1,192 @@
+"""The CUDA fast path: what of it can be checked on CPU here, and on a GPU where there is one.
+
+On CPU: the fast path's flags are off by default, each option trains and keeps its promises
+(channels-last and the pool-before-ReLU model change no CPU result, the BatchNorm statistics read
+from the kernel are the batch's, a compiled model records them too, DDP runs with one bucket).
+On a GPU (scripts/gpu_check.sh): the data stays there with no host-to-device copy per step, and
+bf16 + channels-last + torch.compile train.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from elastic_mnist.batchnorm import GlobalBatchNormStats
+from elastic_mnist.cli import build_parser
+from elastic_mnist.config import TrainConfig, train_config_from_args
+from elastic_mnist.data.datasets import load
+from elastic_mnist.env import DistEnv
+from elastic_mnist.model import build_model
+from elastic_mnist.trainer import Trainer
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def config(**run_flags) -> TrainConfig:
+    cfg = TrainConfig()
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 64, 32
+    for name, value in run_flags.items():
+        setattr(cfg.run, name, value)
+    return cfg
+
+
+def trained(digits, cfg: TrainConfig, steps: int, device: str = "cpu",
+            env: DistEnv | None = None) -> Trainer:
+    trainer = Trainer(cfg, env or DistEnv(), torch.device(device), load(digits, "synthetic"),
+                      run_id="fast", restart_generation=0)
+    for _ in range(steps):
+        batch = trainer.global_batch()
+        trainer.train_step(batch, stop_requested=False)
+        trainer.advance(len(batch))
+    return trainer
+
+
+def test_fast_path_flags_are_off_by_default():
+    cfg = train_config_from_args(build_parser().parse_args(["train"]))
+    assert (cfg.run.precision, cfg.run.channels_last, cfg.run.compile) == ("fp32", False, False)
+    cfg = train_config_from_args(build_parser().parse_args(
+        ["train", "--precision", "bf16", "--channels-last", "--compile"]))
+    assert (cfg.run.precision, cfg.run.channels_last, cfg.run.compile) == ("bf16", True, True)
+
+
+def relu_then_pool(model: nn.Module) -> nn.Module:
+    """The classic block order, conv-BN-ReLU-pool, with the same weights."""
+    for block in (model.layer1, model.layer2):
+        block[2], block[3] = block[3], block[2]
+    assert isinstance(model.layer1[2], nn.ReLU)
+    return model
+
+
+def test_pooling_before_relu_changes_no_bit():
+    torch.manual_seed(0)
+    images = torch.randn(16, 1, 28, 28)
+    images[:8, :, :14] = -0.4242  # flat background: ties inside the pooling windows
+    labels = torch.randint(0, 10, (16,))
+    results = []
+    for model in (build_model(0), relu_then_pool(build_model(0))):
+        loss = F.cross_entropy(model(images), labels)
+        loss.backward()
+        results.append([loss.detach(), *(p.grad for p in model.parameters())])
+    for ours, classic in zip(*results):
+        assert torch.equal(ours, classic)
+
+
+def test_batchnorm_statistics_come_from_the_kernel():
+    model = build_model(0)
+    stats = GlobalBatchNormStats(model)
+    images = torch.randn(8, 1, 28, 28) * 2 + 1
+    seen = {}
+    model.layer1[1].register_forward_pre_hook(lambda m, args: seen.update(x=args[0].detach()))
+    stats.begin_step()
+    with stats.record():
+        model(images)
+    sums = stats.local_sums(torch.device("cpu"))
+    x = seen["x"]
+    count = x.numel() // x.shape[1]
+    torch.testing.assert_close(sums[:16] / count, x.mean((0, 2, 3)).double())
+    torch.testing.assert_close(sums[16:32] / count, x.var((0, 2, 3), correction=1).double())
+    assert sums[32] == count
+    stats.apply(sums)
+    layer = model.layer1[1]
+    torch.testing.assert_close(layer.running_mean, 0.1 * x.mean((0, 2, 3)))
+    torch.testing.assert_close(layer.running_var, 0.9 + 0.1 * x.var((0, 2, 3), correction=1))
+
+
+def test_channels_last_trains_like_contiguous(tiny_digits):
+    plain = trained(tiny_digits, config(), steps=3)
+    fast = trained(tiny_digits, config(channels_last=True), steps=3)
+    assert fast.model.layer2[0].weight.is_contiguous(memory_format=torch.channels_last)
+    for (key, ours), theirs in zip(fast.model.state_dict().items(),
+                                   plain.model.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=key)
+
+
+def test_bf16_autocast_trains_and_keeps_fp32_weights(tiny_digits):
+    trainer = trained(tiny_digits, config(precision="bf16"), steps=4)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    batch = trainer.global_batch()
+    assert torch.isfinite(torch.tensor(trainer.train_step(batch, False).loss))
+
+
+def test_compiled_model_records_batchnorm_statistics(tiny_digits, monkeypatch):
+    """Dynamo traces the model; the statistics hook runs outside its graphs. (The eager backend
+    keeps this fast on CPU; inductor and CUDA graphs are checked on a GPU.)"""
+    compiled = functools.partial(torch.compile, backend="eager")
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: compiled(model))
+    torch._dynamo.reset()
+    plain = trained(tiny_digits, config(), steps=3)
+    fast = trained(tiny_digits, config(compile=True), steps=3)
+    assert fast.net is not fast.model
+    for (key, ours), theirs in zip(fast.model.state_dict().items(),
+                                   plain.model.state_dict().values()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=key)
+
+
+def test_ddp_at_world_size_one_uses_one_bucket(tiny_digits, tmp_path):
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1)
+    try:
+        trainer = trained(tiny_digits, config(), steps=1, env=DistEnv(launched=True))
+        assert trainer.ddp is not None
+        ddp = trainer.ddp._get_ddp_logging_data()
+    finally:
+        dist.destroy_process_group()
+    assert "," not in str(ddp["bucket_sizes"])  # one bucket
+    assert ddp["gradient_as_bucket_view"] and not ddp["broadcast_buffers"]
+
+
+def test_each_epoch_order_is_moved_once(tiny_digits):
+    trainer = trained(tiny_digits, config(), steps=1)
+    batch = trainer.global_batch()
+    trainer.advance(len(batch))
+    following = trainer.global_batch()
+    assert batch.device == following.device == trainer.train_data.labels.device
+    assert batch.untyped_storage().data_ptr() == following.untyped_storage().data_ptr()
+    assert not torch.equal(batch, following)
+
+
+# --- on a GPU ----------------------------------------------------------------------------------
+
+
+@cuda
+def test_steps_copy_nothing_from_the_host(tiny_digits):
+    """The data and each epoch's order live on the GPU: a step's only copy is the one reading
+    back its scalars."""
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer = trained(tiny_digits, config(), steps=2, device="cuda")
+    assert trainer.train_data.images.is_cuda and trainer.train_data.images.dtype == torch.uint8
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(3):
+            batch = trainer.global_batch()
+            trainer.train_step(batch, stop_requested=False)
+            trainer.advance(len(batch))
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    assert not [name for name in copies if "HtoD" in name], copies
+    assert len([name for name in copies if "DtoH" in name]) <= 3, copies
+
+
+@cuda
+def test_bf16_channels_last_compiled_trains_on_the_gpu(tiny_digits):
+    torch._dynamo.reset()
+    cfg = config(precision="bf16", channels_last=True, compile=True)
+    cfg.optim.micro_batch_size, cfg.optim.warmup_steps = 64, 1
+    trainer = trained(tiny_digits, cfg, steps=1, device="cuda")
+    losses = []
+    for _ in range(8):
+        batch = trainer.global_batch()
+        losses.append(trainer.train_step(batch, stop_requested=False).loss)
+        trainer.advance(len(batch))
+    assert all(torch.isfinite(torch.tensor(losses)))
+    assert sum(losses[-3:]) < sum(losses[:3])
+    bn = trainer.model.layer1[1]
+    assert bn.num_batches_tracked.item() == 9
+    assert torch.isfinite(bn.running_var).all() and (bn.running_var != 1).all()
+    assert trainer.optimizer.defaults["fused"]
