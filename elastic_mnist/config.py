@@ -83,8 +83,9 @@ class RunConfig:
     """auto: cuda:LOCAL_RANK with NCCL when a GPU is visible, else CPU with gloo."""
     precision: Literal["fp32", "bf16"] = "fp32"
     """Arithmetic of the forward pass: fp32, or bf16 autocast (weights and optimizer stay fp32)."""
-    channels_last: bool = False
-    """Keep weights and activations channels-last (NHWC), the layout of fast GPU convolutions."""
+    channels_last: bool = True
+    """Keep weights and activations channels-last (NHWC): a third faster on CPU (oneDNN), and
+    the layout of fast GPU convolutions."""
     compile: bool = False
     """torch.compile the model, with CUDA graphs on a GPU (compiling adds to the start-up)."""
     log_every: int = 20
@@ -150,10 +151,9 @@ def field_docs(cls: type) -> dict[str, str]:
     return docs
 
 
-def flag_name(name: str, default: object) -> str:
-    """``download`` (default True) becomes ``--no-download``; ``max_steps`` ``--max-steps``."""
-    stem = name.replace("_", "-")
-    return f"--no-{stem}" if default is True else f"--{stem}"
+def flag_name(name: str) -> str:
+    """``max_steps`` becomes ``--max-steps``."""
+    return "--" + name.replace("_", "-")
 
 
 def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type,
@@ -167,16 +167,16 @@ def add_dataclass_arguments(parser: argparse.ArgumentParser, cls: type,
             continue
         kind, default = hints[f.name], f.default
         help_text = docs.get(f.name, "")
-        if kind is bool:
-            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
-                               action="store_false" if default else "store_true",
-                               help=f"Turn off: {help_text}" if default else help_text)
+        if kind is bool:  # --download and --no-download, whichever the default
+            group.add_argument(flag_name(f.name), dest=f.name, default=default,
+                               action=argparse.BooleanOptionalAction,
+                               help=f"{help_text} (default: {'on' if default else 'off'})")
         elif typing.get_origin(kind) is Literal:
-            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
+            group.add_argument(flag_name(f.name), dest=f.name, default=default,
                                choices=typing.get_args(kind),
                                help=f"{help_text} (default: {default})")
         else:
-            group.add_argument(flag_name(f.name, default), dest=f.name, default=default,
+            group.add_argument(flag_name(f.name), dest=f.name, default=default,
                                type=kind, metavar=f.name.upper(),
                                help=f"{help_text} (default: {default!r})")
 

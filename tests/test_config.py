@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 from launch import cli_cmd, run
 
-from elastic_mnist.cli import build_parser
+from elastic_mnist.cli import build_parser, main
 from elastic_mnist.config import ConfigError, TrainConfig, field_docs, train_config_from_args
 
 CONTRACT_FLAGS = ["--data-dir", "--dataset", "--no-download", "--epochs", "--max-steps",
@@ -61,8 +61,20 @@ def test_bad_values_are_config_errors(argv, flag):
     ["evaluate"],
     ["synth", "--out", "x", "--train", "0"],
 ])
-def test_bad_flags_get_one_line_and_exit_2(argv, tmp_path):
-    done = run(cli_cmd(*argv), cwd=tmp_path)
+def test_bad_flags_get_one_line_and_exit_2(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    try:
+        status = main(argv)
+    except SystemExit as e:
+        status = e.code
+    out = capsys.readouterr()
+    assert status == 2, out
+    assert not out.out and len(out.err.strip().splitlines()) == 1, out.err
+    assert "error" in out.err
+
+
+def test_a_bad_flag_is_one_line_from_the_real_program_too(tmp_path):
+    done = run(cli_cmd("train", "--epochs", "two"), cwd=tmp_path)
     assert done.returncode == 2, done.stdout
     assert len(done.stdout.strip().splitlines()) == 1, done.stdout
     assert "error" in done.stdout

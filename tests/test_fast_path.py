@@ -1,8 +1,9 @@
 """The CUDA fast path: what of it can be checked on CPU here, and on a GPU where there is one.
 
-On CPU: the fast path's flags are off by default, each option trains and keeps its promises
-(channels-last and the pool-before-ReLU model change no CPU result, the BatchNorm statistics read
-from the kernel are the batch's, a compiled model records them too, DDP runs with one bucket).
+On CPU: channels-last is on by default and the costlier options off, each option trains and keeps
+its promises (channels-last and the pool-before-ReLU model change no CPU result, the BatchNorm
+statistics read from the kernel are the batch's, a compiled model records them too, DDP runs with
+one bucket).
 On a GPU (scripts/gpu_check.sh): the data stays there with no host-to-device copy per step, and
 bf16 + channels-last + torch.compile train.
 """
@@ -47,12 +48,14 @@ def trained(digits, cfg: TrainConfig, steps: int, device: str = "cpu",
     return trainer
 
 
-def test_fast_path_flags_are_off_by_default():
+def test_channels_last_is_on_by_default_and_the_costly_options_are_off():
     cfg = train_config_from_args(build_parser().parse_args(["train"]))
-    assert (cfg.run.precision, cfg.run.channels_last, cfg.run.compile) == ("fp32", False, False)
+    assert (cfg.run.precision, cfg.run.channels_last, cfg.run.compile) == ("fp32", True, False)
     cfg = train_config_from_args(build_parser().parse_args(
         ["train", "--precision", "bf16", "--channels-last", "--compile"]))
     assert (cfg.run.precision, cfg.run.channels_last, cfg.run.compile) == ("bf16", True, True)
+    cfg = train_config_from_args(build_parser().parse_args(["train", "--no-channels-last"]))
+    assert cfg.run.channels_last is False
 
 
 def relu_then_pool(model: nn.Module) -> nn.Module:
@@ -99,8 +102,8 @@ def test_batchnorm_statistics_come_from_the_kernel():
 
 
 def test_channels_last_trains_like_contiguous(tiny_digits):
-    plain = trained(tiny_digits, config(), steps=3)
-    fast = trained(tiny_digits, config(channels_last=True), steps=3)
+    plain = trained(tiny_digits, config(channels_last=False), steps=3)
+    fast = trained(tiny_digits, config(), steps=3)
     assert fast.model.layer2[0].weight.is_contiguous(memory_format=torch.channels_last)
     for (key, ours), theirs in zip(fast.model.state_dict().items(),
                                    plain.model.state_dict().values()):
