@@ -70,9 +70,16 @@ class StepResult:
 def sum_allreduce_hook(process_group, bucket):
     """DDP communication hook that sums gradients (the loss is already divided by the batch).
 
+    A group of one has nothing to sum: its bucket comes back as it is, without a round trip
+    through the backend's threads (which costs whole milliseconds on a busy machine).
+
     Unannotated on purpose: DDP checks the annotations' runtime values, which postponed
     annotations turn into strings.
     """
+    if dist.get_world_size(process_group) == 1:
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
     work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
@@ -181,6 +188,8 @@ class Trainer:
             self.net = torch.compile(self.net,
                                      mode="reduce-overhead" if device.type == "cuda" else None)
         self.progress = Progress()
+        self.window = _Window()
+        """The step results since the last log line."""
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
 
@@ -226,26 +235,31 @@ class Trainer:
 
     def fit(self, stop: StopRequest) -> str:
         """Trains until done or asked to stop; returns 'finished' or 'preempted'."""
-        window = _Window()
+        self.window = _Window()  # start-up is no part of the first window's rate
         while not self.done():
-            batch = self.global_batch()
-            result = self.train_step(batch, stop.requested)
-            epoch_ended = self.advance(len(batch))
-            window.add(result)
-            self.display.update(self.progress.epoch + (self.progress.cursor > 0),
-                                self.progress.step, self.total_steps, result.loss,
-                                window.samples_per_s())
-            if self.should_log() or epoch_ended:
-                self.log_training(window.drain())
-            if epoch_ended or self.done():
-                self.log_evaluation()
-            if self.checkpointer.maybe_save(self.state, self.progress.step,
-                                            epoch_end=epoch_ended,
-                                            final=self.done() or result.stop_requested):
-                self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
-            if result.stop_requested:
+            if self.iteration(stop.requested).stop_requested:
                 return "preempted"
         return "finished"
+
+    def iteration(self, stop_requested: bool) -> StepResult:
+        """One turn of the loop: the next step, then what follows it (progress, scalars every
+        ``--log-every`` steps, the evaluation at an epoch's end, the checkpoint when due)."""
+        batch = self.global_batch()
+        result = self.train_step(batch, stop_requested)
+        epoch_ended = self.advance(len(batch))
+        self.window.add(result)
+        self.display.update(self.progress.epoch + (self.progress.cursor > 0),
+                            self.progress.step, self.total_steps, result.loss,
+                            self.window.samples_per_s())
+        if self.should_log() or epoch_ended:
+            self.log_training(self.window.drain())
+        if epoch_ended or self.done():
+            self.log_evaluation()
+        if self.checkpointer.maybe_save(self.state, self.progress.step,
+                                        epoch_end=epoch_ended,
+                                        final=self.done() or result.stop_requested):
+            self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
+        return result
 
     def global_batch(self) -> torch.Tensor:
         """The next step's sample indices, on the data's device: each epoch's order is moved

@@ -20,14 +20,16 @@ the final evaluation are outside every figure. The contenders:
   seed        the seeds' single-process loop as written (torchvision MNIST with ToTensor through a
               DataLoader, batch 100, their ConvNet with conv biases, SGD), copied below
   worker      ``elastic-mnist train`` in one plain process, same data, batch and device, with the
-              device's tuned flags (TUNED_FLAGS); its peak resident memory (wait4's ru_maxrss)
+              device's tuned flags (TUNED_FLAGS: on CPU the defaults); its peak resident memory
+              (wait4's ru_maxrss)
   floor       the same model, flags and digits, forward, backward and optimizer step on batches
               made in advance, nothing else: the limit our loop can approach here
-  paired      our worker's training step (the real Trainer's), the same with DDP at world size 1,
-              and the floor, in one process, taking turns in blocks of steps: the few-percent
-              comparisons, which separate runs on a shared machine cannot resolve (they differ by
-              ±15% here), are the medians over the rounds of each round's ratio
-  defaults    our worker with the default flags
+  paired      our worker's loop (the real Trainer's: step, TensorBoard scalars, checkpoints),
+              the same with DDP at world size 1, and the floor, in one process, taking turns
+              step by step: the few-percent comparisons, which separate runs on a shared machine
+              cannot resolve (they differ by ±15% here), are medians over blocks of steps of the
+              time ratio in each block (paired_steps)
+  defaults    our worker with the default flags (on a GPU, where they are not the tuned ones)
   ddp         our worker under ``torchrun --nproc_per_node=1``: DistributedDataParallel at world
               size 1 (the plain process has no process group, hence no DDP)
   checkpoint  our worker saving a checkpoint about every 2 s, logging every step: what a save
@@ -42,8 +44,8 @@ the final evaluation are outside every figure. The contenders:
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
 
-CPU runs paired, worker, ddp, seed, defaults, checkpoint, both recoveries and real; a GPU seed,
-defaults, fast and real (``--only`` picks others). Without ``--data-dir`` the throughput contenders
+CPU runs paired, worker, ddp, seed, checkpoint, both recoveries and real; a GPU seed, defaults,
+fast and real (``--only`` picks others). Without ``--data-dir`` the throughput contenders
 train on 60,000 synthetic digits generated once into bench/data (MNIST cannot be downloaded
 everywhere); results.json says which data was used.
 """
@@ -67,6 +69,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from processes import kill_tree
+
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results.json"
 README = REPO / "README.md"
@@ -77,9 +81,9 @@ BATCH = 100
 GPU_FAST_BATCH = 1000
 """Batch of the GPU fast path (it divides 60,000: no short last batch to recompile for)."""
 FAST_FLAGS = ["--precision", "bf16", "--channels-last", "--compile"]
-TUNED_FLAGS = {"cpu": ["--channels-last"], "cuda": FAST_FLAGS}
-"""Our worker's flags per device. On CPU channels-last is a third faster, but off by default
-there: it changes the bits of CPU results (the default flags run as the `defaults` contender)."""
+TUNED_FLAGS = {"cpu": [], "cuda": FAST_FLAGS}
+"""Our worker's flags per device. On CPU the defaults are the fast ones (channels-last, on by
+default, is a third faster there than NCHW); on a GPU they add bf16 and torch.compile."""
 NEIGHBOURS = 20
 """Steps on each side of a save whose median is the step time a save is compared with."""
 LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
@@ -100,8 +104,10 @@ class Sizes:
     """Time between the checkpoint contender's saves."""
     checkpoint_saves: int
     paired_rounds: int
+    """Steps of each of the paired contender's sides after its warm-up."""
     paired_block: int
-    """Steps of each of the paired contender's variants in a round."""
+    """The paired contender's warm-up, log interval, checkpoint interval and unit of comparison,
+    in steps."""
     recovery_kill_at: int
     """The kill follows the first checkpoint at or after this step."""
     recovery_steps: int
@@ -109,10 +115,10 @@ class Sizes:
     timeout_s: float = 900.0
 
 
-FULL = Sizes(reps=3, steps=220, warmup=20, checkpoint_interval_s=2.0, checkpoint_saves=3,
-             paired_rounds=12, paired_block=10, recovery_kill_at=10, recovery_steps=30)
+FULL = Sizes(reps=3, steps=160, warmup=20, checkpoint_interval_s=2.0, checkpoint_saves=2,
+             paired_rounds=320, paired_block=20, recovery_kill_at=6, recovery_steps=20)
 QUICK = Sizes(reps=1, steps=8, warmup=4, checkpoint_interval_s=0.2, checkpoint_saves=2,
-              paired_rounds=2, paired_block=2, recovery_kill_at=4, recovery_steps=8,
+              paired_rounds=8, paired_block=4, recovery_kill_at=4, recovery_steps=8,
               real_epochs=1, timeout_s=300.0)
 
 
@@ -268,57 +274,70 @@ def compute_floor(data_dir: str, kind: str, device_name: str, steps: int, warmup
 
 
 def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: list[str],
-                 rounds: int, block: int) -> dict:
-    """Our worker's training step (the real Trainer's, without and with DDP at world size 1) and
-    the floor's, in one process, in blocks of ``block`` steps, taking turns: each round compares
-    them at the same moment of a machine whose load changes from second to second. Returns each
-    one's samples/s over all rounds and the median over the rounds of each comparison."""
+                 rounds: int, block: int, work: str) -> dict:
+    """Our worker's loop (the real Trainer's, without and with DDP at world size 1) and the
+    floor, in one process, taking turns step by step: each round runs one step of each, in an
+    order that rotates, so that all three see the same machine, whose load changes from one
+    second to the next. The worker's turn is a whole turn of its loop (``Trainer.iteration``):
+    the step, its TensorBoard scalars every ``block`` steps and a checkpoint every ``block``
+    steps, written by the real writers into ``work``. After a warm-up of ``block`` rounds, the
+    comparisons are the medians over blocks of ``block`` rounds (each holding one log write and
+    one save) of the ratio of the time each side spent in the block. Returns each one's samples/s
+    over all rounds and those medians."""
     import torch
     import torch.distributed as dist
 
+    from elastic_mnist.checkpoint import Checkpointer
     from elastic_mnist.cli import build_parser
     from elastic_mnist.config import train_config_from_args
     from elastic_mnist.data.datasets import load
     from elastic_mnist.env import DistEnv
+    from elastic_mnist.metrics import TensorBoardMetrics
     from elastic_mnist.trainer import Trainer
 
     device = torch.device(device_name)
     cfg = train_config_from_args(build_parser().parse_args(
         ["train", "--global-batch-size", str(batch), "--micro-batch-size", str(batch),
-         "--epochs", "1000", *flags]))
+         "--epochs", "1000", "--log-every", str(block), *flags]))
     dataset = load(Path(data_dir), kind)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                             rank=0, world_size=1)
-    trainers = {"worker": Trainer(cfg, DistEnv(), device, dataset, run_id="bench",
-                                  restart_generation=0),
-                "ddp": Trainer(cfg, DistEnv(launched=True), device, dataset, run_id="bench",
-                               restart_generation=0)}
+    trainers = {}
+    for name, env in (("worker", DistEnv()), ("ddp", DistEnv(launched=True))):
+        trainer = Trainer(cfg, env, device, dataset, run_id="bench", restart_generation=0,
+                          checkpointer=Checkpointer(Path(work) / name / "ckpt", every=block,
+                                                    keep_last=3, restart_generation=0))
+        trainer.metrics = TensorBoardMetrics(Path(work) / name / "runs", purge_step=1)
+        trainers[name] = trainer
 
-    def trainer_step(trainer: Trainer) -> Callable[[], None]:
-        def step() -> None:
-            indices = trainer.global_batch()
-            trainer.train_step(indices, stop_requested=False)
-            trainer.advance(len(indices))
-        return step
+    def turn(trainer: Trainer) -> Callable[[], None]:
+        return lambda: trainer.iteration(stop_requested=False)
 
-    steps = {"floor": FloorStep(data_dir, kind, device, batch, flags, count=rounds * block),
-             **{name: trainer_step(trainer) for name, trainer in trainers.items()}}
-    seconds: dict[str, list[float]] = {name: [] for name in steps}
-    for round_ in range(rounds + 1):  # the first round warms up
-        order = list(steps.items())
-        for name, step in order if round_ % 2 else order[::-1]:  # none of them always first
+    floor = FloorStep(data_dir, kind, device, batch, flags, count=rounds + block)
+    steps = [("floor", floor), *((name, turn(trainer)) for name, trainer in trainers.items())]
+    seconds: dict[str, list[float]] = {name: [] for name, _ in steps}
+    for round_ in range(block + rounds):  # the first block warms up
+        shift = round_ % len(steps)
+        for name, step in steps[shift:] + steps[:shift]:  # each goes first as often
             began = time.perf_counter()
-            for _ in range(block):
-                step()
+            step()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            if round_:
+            if round_ >= block:
                 seconds[name].append(time.perf_counter() - began)
+    for trainer in trainers.values():
+        trainer.checkpointer.close()
+        trainer.metrics.close()
     dist.destroy_process_group()
-    worker = seconds["worker"]
-    return {**{name: rounds * block * batch / sum(s) for name, s in seconds.items()},
-            "worker_vs_floor": statistics.median(f / w for f, w in zip(seconds["floor"], worker)),
-            "ddp_vs_worker": statistics.median(d / w for d, w in zip(seconds["ddp"], worker))}
+
+    def blocks(name: str) -> list[float]:
+        times = seconds[name]
+        return [sum(times[i:i + block]) for i in range(0, len(times) - block + 1, block)]
+
+    worker = blocks("worker")
+    return {**{name: len(times) * batch / sum(times) for name, times in seconds.items()},
+            "worker_vs_floor": statistics.median(f / w for f, w in zip(blocks("floor"), worker)),
+            "ddp_vs_worker": statistics.median(d / w for d, w in zip(blocks("ddp"), worker))}
 
 
 # --- running the contenders' processes --------------------------------------------------------
@@ -348,23 +367,6 @@ def child_env(threads: int) -> dict[str, str]:
 def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
     with open(log, "w") as out:
         return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT)
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILLs ``pid`` and its descendants (torchrun's workers have sessions of their own)."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
-    except psutil.NoSuchProcess:
-        return
-    for proc in procs:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(procs, timeout=10)
 
 
 def failure(log: Path, what: str) -> ContenderFailed:
@@ -720,7 +722,7 @@ CONTENDERS: dict[str, Callable[[Bench], dict[str, float]]] = {
     "recovery_shipped": measure_recovery_shipped, "recovery_defaults": measure_recovery_defaults,
     "real": measure_real, "fast": measure_fast, "fast_floor": measure_fast_floor,
 }
-CPU_SET = ["paired", "worker", "ddp", "seed", "defaults", "checkpoint", "recovery_shipped",
+CPU_SET = ["paired", "worker", "ddp", "seed", "checkpoint", "recovery_shipped",
            "recovery_defaults", "real"]
 GPU_SET = ["seed", "defaults", "fast", "real"]
 """On a GPU the tuned flags compile, which takes time: they run once, at the fast path's batch."""
@@ -822,11 +824,12 @@ ROWS = [
     Row("defaults_vs_seed", "Our worker with default flags ÷ seed loop", "×"),
     Row("paired_floor_samples_per_s", "Compute floor: forward, backward, step, {tuned}",
         "samples/s"),
-    Row("paired_worker_samples_per_s", "Our worker's training step, beside the floor",
+    Row("paired_worker_samples_per_s",
+        "Our worker's loop (step, scalars, a checkpoint every {block} steps), beside the floor",
         "samples/s"),
-    Row("paired_worker_vs_floor_pct", "Our worker's step ÷ compute floor, paired", "%",
+    Row("paired_worker_vs_floor_pct", "Our worker's loop ÷ compute floor, paired", "%",
         ("≥", 95.0)),
-    Row("paired_ddp_samples_per_s", "Our worker's step with DDP at world size 1, beside it",
+    Row("paired_ddp_samples_per_s", "Our worker's loop with DDP at world size 1, beside it",
         "samples/s"),
     Row("paired_ddp_overhead_pct", "DDP overhead at world size 1, paired", "% of wall time",
         ("≤", 3.0)),
@@ -874,7 +877,8 @@ def table(results: dict) -> str:
     m = results["method"]
     names = {"tuned": f"`{' '.join(m['tuned_flags'])}`" if m["tuned_flags"] else "default flags",
              "fast": f"`{' '.join(FAST_FLAGS)}`",
-             "fast_batch": m["gpu_fast_batch"], "epochs": m["real_epochs"]}
+             "fast_batch": m["gpu_fast_batch"], "epochs": m["real_epochs"],
+             "block": m.get("paired_block", "N")}
     lines = ["| | median | min | max | unit | target |", "|---|---:|---:|---:|---|---|"]
     for row, figure, met in judged(results):
         target = "" if row.target is None else \
@@ -933,7 +937,7 @@ def results_record(b: Bench, names: list[str], outcome: Outcome, argv: list[str]
                    "contenders": names,
                    "batch": BATCH, "steps": b.sizes.steps, "warmup_steps": b.sizes.warmup,
                    "tuned_flags": b.tuned_flags, "gpu_fast_batch": GPU_FAST_BATCH,
-                   "real_epochs": b.sizes.real_epochs},
+                   "real_epochs": b.sizes.real_epochs, "paired_block": b.sizes.paired_block},
         "figures": summarize(outcome.reps),
         "errors": outcome.errors,
     }
@@ -958,10 +962,10 @@ def readme_section(results: dict) -> str:
          f"{method['repetitions']} repetitions that alternate the contenders; min and max show "
          f"how much they varied (this machine is shared with other jobs)."),
         "",
-        (f"Our worker runs with {tuned}: off by default, since on CPU it changes the last bits "
-         f"of the results; the default flags have their own rows."
-         if results["device"] == "cpu" else
-         f"The fast path runs with {tuned} at batch {method['gpu_fast_batch']}."),
+        (f"Our worker runs with {tuned}." if method["tuned_flags"] else
+         "Our worker runs with its default flags (channels-last on; fp32; not compiled).")
+        if results["device"] == "cpu" else
+        f"The fast path runs with {tuned} at batch {method['gpu_fast_batch']}.",
         "",
         table(results),
         "",
@@ -1121,7 +1125,8 @@ def child_main(argv: list[str]) -> int:
                                args.batch, args.flags.split())
     else:
         result = paired_steps(args.data_dir, args.dataset, args.device, args.batch,
-                              args.flags.split(), args.rounds, args.block)
+                              args.flags.split(), args.rounds, args.block,
+                              str(args.result.parent))
     args.result.write_text(json.dumps(result))
     return 0
 
