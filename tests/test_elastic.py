@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 import signal
 import sys
 import time
@@ -138,6 +139,8 @@ def invariance_digits(tmp_path_factory) -> Path:
 
 
 def test_training_does_not_depend_on_the_world_size(invariance_digits, tmp_path):
+    """One step agrees to rounding at world sizes 1, 2 and 4 (parameters and BatchNorm running
+    statistics); 200 steps agree in accuracy and loss at world sizes 1 and 2."""
     one_step, long_run = {}, {}
     for world in (1, 2, 4):
         work = tmp_path / f"w{world}"
@@ -146,6 +149,8 @@ def test_training_does_not_depend_on_the_world_size(invariance_digits, tmp_path)
         assert done.returncode == 0, done.stdout
         one_step[world] = torch.load(work / "one" / "ckpt" / "step-00000001.pt",
                                      weights_only=True)["model"]
+        if world == 4:  # four processes on two cores: its one step suffices
+            continue
         done = run(torchrun_cmd(world, *args_for(invariance_digits, work / "long",
                                                  "--max-steps", "200", "--epochs", "100")),
                    timeout=400)
@@ -155,8 +160,8 @@ def test_training_does_not_depend_on_the_world_size(invariance_digits, tmp_path)
         for key, value in one_step[1].items():
             torch.testing.assert_close(one_step[world][key].float(), value.float(),
                                        rtol=0, atol=1e-6, msg=f"{key} at world size {world}")
-        assert abs(long_run[world]["accuracy"] - long_run[1]["accuracy"]) <= 0.005
-        assert long_run[world]["loss"] == pytest.approx(long_run[1]["loss"], rel=0.02)
+    assert abs(long_run[2]["accuracy"] - long_run[1]["accuracy"]) <= 0.005
+    assert long_run[2]["loss"] == pytest.approx(long_run[1]["loss"], rel=0.02)
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_digits, tmp_path):
@@ -170,11 +175,19 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_digits, tmp_p
     assert "step-00000003.pt: step 3" in second.stdout
 
 
-def test_a_checkpoint_that_would_run_code_stops_the_job(tiny_digits, tmp_path):
+@pytest.fixture(scope="module")
+def three_steps(tiny_digits, tmp_path_factory) -> Path:
+    """A run of 3 steps, for the tests below to copy and tamper with."""
+    work = tmp_path_factory.mktemp("three-steps")
+    done = run(cli_cmd(*args_for(tiny_digits, work, "--max-steps", "3")))
+    assert done.returncode == 0, done.stdout
+    return work
+
+
+def test_a_checkpoint_that_would_run_code_stops_the_job(tiny_digits, three_steps, tmp_path):
     from elastic_mnist.checkpoint import write_checkpoint
 
-    first = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "3")))
-    assert first.returncode == 0, first.stdout
+    shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
     payload = torch.load(tmp_path / "ckpt" / "step-00000003.pt", weights_only=True)
     payload["progress"]["step"] = 4
     payload["hook"] = _Exploit()
@@ -185,9 +198,8 @@ def test_a_checkpoint_that_would_run_code_stops_the_job(tiny_digits, tmp_path):
     assert not (tmp_path / "pwned").exists()
 
 
-def test_a_checkpoint_of_another_config_names_the_mismatch(tiny_digits, tmp_path):
-    first = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "3")))
-    assert first.returncode == 0, first.stdout
+def test_a_checkpoint_of_another_config_names_the_mismatch(tiny_digits, three_steps, tmp_path):
+    shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
     done = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "6", "--seed", "9")))
     assert done.returncode == 2
     assert "--seed=0" in done.stdout.strip().splitlines()[-1]

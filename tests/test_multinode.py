@@ -3,6 +3,7 @@ rendezvous store outliving the first node. Driven by the chaos harness (scripts/
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -22,13 +23,16 @@ def starts(workdir) -> list[dict]:
 
 
 def test_a_lost_node_leaves_the_job_running_and_a_new_one_grows_it_back(tmp_path):
-    # The agent-hosted store lives on node 0, so the harness takes node 1.
+    # The agent-hosted store lives on node 0, so the harness takes node 1. A join takes about
+    # 10 s to turn into a new group, hundreds of these tiny steps: it comes early in a long job.
     status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "agent", "--steps",
-                         "150", "--schedule", "30:kill-node:1,80:join", "--workdir",
-                         str(tmp_path)])
+                         "600", "--schedule", "10:kill-node:1,20:join", "--workdir",
+                         str(tmp_path), "--json", str(tmp_path / "faults.json")])
     assert status == 0  # finished; every sample once per epoch; accuracy; valid checkpoints
     worlds = [s["world_size"] for s in starts(tmp_path)]
     assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
+    join = json.loads((tmp_path / "faults.json").read_text())["faults"][-1]
+    assert join["kind"] == "join" and join["first_step_s"] is not None, join  # grown, trained
 
 
 def test_the_external_store_outlives_the_first_node(tmp_path):
