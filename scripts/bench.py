@@ -226,17 +226,20 @@ class FloorStep:
                  count: int):
         import torch
 
+        from elastic_mnist.cli import build_parser
+        from elastic_mnist.config import train_config_from_args
         from elastic_mnist.data.datasets import load
         from elastic_mnist.model import build_model
 
-        self.device, self.batch, self.bf16 = device, batch, "bf16" in flags
+        opts = train_config_from_args(build_parser().parse_args(["train", *flags])).run
+        self.device, self.batch, self.bf16 = device, batch, opts.precision == "bf16"
         self.model = build_model(0).to(device)
-        if "--channels-last" in flags:
+        if opts.channels_last:  # as the worker's flags and defaults have it
             self.model.to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3,
                                            fused=device.type == "cuda")
         self.net = self.model
-        if "--compile" in flags:
+        if opts.compile:
             self.net = torch.compile(self.model,
                                      mode="reduce-overhead" if device.type == "cuda" else None)
         train = load(Path(data_dir), kind).train

@@ -124,3 +124,15 @@ def test_readme_update_touches_only_the_bench_section(tmp_path):
     assert text.endswith(f"{bench.README_END}\n\n## Accuracy\n\nkept\n")
     assert "stale table" not in text and "| Our worker ÷ seed loop | 2 |" in text
     assert "make bench" in text and "a CPU, 2 cores" in text
+
+
+def test_the_floor_takes_the_worker_flags_and_defaults(tiny_digits):
+    def floor(*flags: str):
+        return bench.FloorStep(str(tiny_digits), "synthetic", torch.device("cpu"), 8,
+                               list(flags), count=1)
+
+    channels_last = torch.channels_last
+    assert floor().model.layer2[0].weight.is_contiguous(memory_format=channels_last)
+    plain = floor("--no-channels-last").model.layer2[0].weight
+    assert plain.is_contiguous() and not plain.is_contiguous(memory_format=channels_last)
+    assert floor("--precision", "bf16").bf16
