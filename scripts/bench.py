@@ -44,10 +44,11 @@ the final evaluation are outside every figure. The contenders:
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
 
-CPU runs paired, worker, ddp, seed, checkpoint, both recoveries and real; a GPU seed, defaults,
-fast and real (``--only`` picks others). Without ``--data-dir`` the throughput contenders
-train on 60,000 synthetic digits generated once into bench/data (MNIST cannot be downloaded
-everywhere); results.json says which data was used.
+CPU runs paired, worker, seed, checkpoint, both recoveries and real (ddp and floor in processes
+of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast and real
+(``--only`` picks others). Without ``--data-dir`` the throughput contenders train on 60,000
+synthetic digits generated once into bench/data (MNIST cannot be downloaded everywhere);
+results.json says which data was used.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ class Sizes:
 
 
 FULL = Sizes(reps=3, steps=160, warmup=20, checkpoint_interval_s=2.0, checkpoint_saves=2,
-             paired_rounds=320, paired_block=20, recovery_kill_at=6, recovery_steps=20)
+             paired_rounds=240, paired_block=20, recovery_kill_at=6, recovery_steps=20)
 QUICK = Sizes(reps=1, steps=8, warmup=4, checkpoint_interval_s=0.2, checkpoint_saves=2,
               paired_rounds=8, paired_block=4, recovery_kill_at=4, recovery_steps=8,
               real_epochs=1, timeout_s=300.0)
@@ -725,7 +726,7 @@ CONTENDERS: dict[str, Callable[[Bench], dict[str, float]]] = {
     "recovery_shipped": measure_recovery_shipped, "recovery_defaults": measure_recovery_defaults,
     "real": measure_real, "fast": measure_fast, "fast_floor": measure_fast_floor,
 }
-CPU_SET = ["paired", "worker", "ddp", "seed", "checkpoint", "recovery_shipped",
+CPU_SET = ["paired", "worker", "seed", "checkpoint", "recovery_shipped",
            "recovery_defaults", "real"]
 GPU_SET = ["seed", "defaults", "fast", "real"]
 """On a GPU the tuned flags compile, which takes time: they run once, at the fast path's batch."""
