@@ -116,8 +116,8 @@ class Sizes:
     timeout_s: float = 900.0
 
 
-FULL = Sizes(reps=3, steps=160, warmup=20, checkpoint_interval_s=2.0, checkpoint_saves=2,
-             paired_rounds=240, paired_block=20, recovery_kill_at=6, recovery_steps=20)
+FULL = Sizes(reps=3, steps=120, warmup=20, checkpoint_interval_s=2.0, checkpoint_saves=2,
+             paired_rounds=200, paired_block=20, recovery_kill_at=6, recovery_steps=20)
 QUICK = Sizes(reps=1, steps=8, warmup=4, checkpoint_interval_s=0.2, checkpoint_saves=2,
               paired_rounds=8, paired_block=4, recovery_kill_at=4, recovery_steps=8,
               real_epochs=1, timeout_s=300.0)
