@@ -109,7 +109,7 @@ def test_synthetic_fallback_is_loud_and_recorded(tiny_digits, tmp_path):
 
 
 def test_missing_mnist_without_download_says_what_to_put_where(tmp_path):
-    done = run(cli_cmd("train", "--data-dir", str(tmp_path), "--no-download"))
+    done = run(cli_cmd("train", "--data-dir", str(tmp_path), "--no-download"), cwd=tmp_path)
     assert done.returncode == 2
     line = done.stdout.strip().splitlines()[-1]
     assert "train-images-idx3-ubyte" in line and str(tmp_path / "MNIST" / "raw") in line
