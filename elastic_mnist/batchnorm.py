@@ -40,11 +40,6 @@ class GlobalBatchNormStats:
         self._saved: list[tuple[torch.Tensor, torch.Tensor]] = []
         """Per layer: its running means and variances, and batches tracked, at the step's start."""
 
-    @property
-    def width(self) -> int:
-        """Length of this step's vector of sums: per layer, weighted means, variances, count."""
-        return sum(2 * layer.num_features + 1 for layer in self.layers)
-
     def begin_step(self) -> None:
         """Sets the running statistics aside; the step's passes overwrite the buffers."""
         self._sums = {}

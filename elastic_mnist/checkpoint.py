@@ -118,6 +118,13 @@ def remove_stale_temp_files(directory: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+def newest_committed_step(directory: Path) -> int:
+    """The step of the newest committed checkpoint (its manifest written), 0 if none; read from
+    the file names alone, cheap enough to poll."""
+    steps = [int(path.stem.split("-")[1]) for path in Path(directory).glob("step-*.json")]
+    return max(steps, default=0)
+
+
 def list_manifests(directory: Path) -> list[Manifest | tuple[Path, str]]:
     """Every manifest in ``directory``, newest first; unreadable ones as (path, reason)."""
     found: list[Manifest | tuple[Path, str]] = []

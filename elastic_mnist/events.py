@@ -19,6 +19,11 @@ def utc_now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
 
 
+def event_time(record: dict[str, Any]) -> float:
+    """A record's time, in seconds since the epoch (``time.time()``'s clock)."""
+    return datetime.datetime.fromisoformat(record["time"]).timestamp()
+
+
 class NullEventLog:
     """What ranks that must not write get."""
 

@@ -156,7 +156,6 @@ class Trainer:
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
                                  o.seed)
-        self._epoch_order: tuple[int, torch.Tensor] | None = None  # (epoch, order on the device)
         self.total_steps = o.epochs * self.order.steps_per_epoch
         if o.max_steps:
             self.total_steps = min(self.total_steps, o.max_steps)
@@ -262,13 +261,9 @@ class Trainer:
         return result
 
     def global_batch(self) -> torch.Tensor:
-        """The next step's sample indices, on the data's device: each epoch's order is moved
-        there once, so that no step copies indices from the host."""
-        epoch, cursor = self.progress.epoch, self.progress.cursor
-        if self._epoch_order is None or self._epoch_order[0] != epoch:
-            order = self.order.permutation(epoch).to(self.train_data.labels.device)
-            self._epoch_order = (epoch, order)
-        return self._epoch_order[1][cursor:cursor + self.order.global_batch_size]
+        """The next step's sample indices, on the data's device."""
+        return self.order.global_batch(self.progress.epoch, self.progress.cursor,
+                                       self.train_data.labels.device)
 
     def train_step(self, batch: torch.Tensor, stop_requested: bool) -> StepResult:
         """One optimizer step over a global batch; all ranks learn whether any wants to stop."""

@@ -70,7 +70,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from processes import kill_tree
+from processes import job_env, kill_tree
+
+from elastic_mnist.checkpoint import newest_committed_step
+from elastic_mnist.events import event_time, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results.json"
@@ -87,9 +90,6 @@ TUNED_FLAGS = {"cpu": [], "cuda": FAST_FLAGS}
 default, is a third faster there than NCHW); on a GPU they add bf16 and torch.compile."""
 NEIGHBOURS = 20
 """Steps on each side of a save whose median is the step time a save is compared with."""
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                 "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass(frozen=True)
@@ -360,12 +360,7 @@ class Finished:
 
 def child_env(threads: int) -> dict[str, str]:
     """This environment without any launcher's variables, with ``threads`` intra-op threads."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1",
-               # Restarted workers hang creating their process group without it (torch 2.14).
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    return env
+    return job_env(threads, MKL_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
 
 
 def start(cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
@@ -427,17 +422,7 @@ def worker_samples_per_s(run_dir: Path, batch: int, warmup: int) -> float:
 
 
 def events(run_dir: Path) -> list[dict]:
-    from elastic_mnist.events import read_events
-
     return read_events(run_dir / "events.jsonl")
-
-
-def utc_seconds(iso: str) -> float:
-    return datetime.datetime.fromisoformat(iso).timestamp()
-
-
-def committed_step(checkpoint_dir: Path) -> int:
-    return max((int(p.stem.split("-")[1]) for p in checkpoint_dir.glob("step-*.json")), default=0)
 
 
 # --- the benchmark ----------------------------------------------------------------------------
@@ -603,7 +588,7 @@ def measure_checkpoint(b: Bench) -> dict[str, float]:
              if e["event"] == "checkpoint" and NEIGHBOURS <= e["step"] <= steps - 2 * NEIGHBOURS]
     if not saves:
         raise ContenderFailed(f"no checkpoint to measure in {run_dir}")
-    costs = save_costs(step_seconds, [(e["step"], utc_seconds(e["time"]) - ended[e["step"]])
+    costs = save_costs(step_seconds, [(e["step"], event_time(e) - ended[e["step"]])
                                       for e in saves])
     interval_s = every * statistics.median(step_seconds.values())
     return {"ckpt_blocking_ms": statistics.median(e["blocking_ms"] for e in saves),
@@ -662,7 +647,7 @@ def recovery(b: Bench, name: str, launcher: Callable[[Bench, list[str]], list[st
                         "--checkpoint-every", str(every))
     proc = start(launcher(b, args), log, b.env)
     try:
-        wait_for(lambda: committed_step(work / "ckpt") >= s.recovery_kill_at, proc, log,
+        wait_for(lambda: newest_committed_step(work / "ckpt") >= s.recovery_kill_at, proc, log,
                  s.timeout_s)
         rank0 = worker_of_rank(proc.pid, 0)  # it has just committed the checkpoint
         if rank0 is None:
@@ -676,7 +661,7 @@ def recovery(b: Bench, name: str, launcher: Callable[[Bench, list[str]], list[st
         raise failure(log, f"the run exited with status {returncode}")
     run_dir = work / "runs" / "bench"
     after = [e.wall_time for e in scalars(run_dir, "train/loss") if e.wall_time > killed_at]
-    restarts = [utc_seconds(e["time"]) for e in events(run_dir) if e["event"] == "start"]
+    restarts = [event_time(e) for e in events(run_dir) if e["event"] == "start"]
     if not after or len(restarts) < 2:
         raise failure(log, "the run shows no restart")
     return {f"{name}_s": min(after) - killed_at, f"{name}_start_s": restarts[-1] - killed_at}

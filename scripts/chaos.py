@@ -40,6 +40,8 @@ from pathlib import Path
 import psutil
 from processes import free_port, kill_tree
 
+from elastic_mnist.events import event_time, read_events
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join")
 REQUEUE_DELAY_S = 3.0
@@ -154,27 +156,13 @@ class Observer:
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
-        if not path.exists():
-            return []
-        out = []
-        for line in path.read_text().splitlines():
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                pass
-        return out
+        return read_events(path) if path.exists() else []
 
     def step(self) -> int:
         return max((r["step"] for r in self.audit()), default=0)
 
     def finished(self) -> bool:
         return any(e["event"] == "finish" for e in self.events())
-
-
-def utc_seconds(iso: str) -> float:
-    from datetime import datetime
-
-    return datetime.fromisoformat(iso).timestamp()
 
 
 def random_schedule(rng: random.Random, faults: int, first: int, last: int) -> list[Fault]:
@@ -237,9 +225,9 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
                                              for p in fault.old_workers):
             fault.noticed = now
         starts = [e for e in observer.events()
-                  if e["event"] == "start" and utc_seconds(e["time"]) > fault.at]
+                  if e["event"] == "start" and event_time(e) > fault.at]
         if starts and fault.restarted is None:
-            fault.restarted = utc_seconds(starts[0]["time"])
+            fault.restarted = event_time(starts[0])
             generation = starts[0]["restart_generation"]
             done_before = [r["step"] for r in observer.audit() if r["generation"] < generation]
             resumed = starts[0]["resumed_from_step"] or 0
@@ -251,7 +239,7 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
                 fault.first_step = min(new)
                 return
             if any(e["event"] == "finish" and e["step"] == starts[0]["step"]
-                   for e in observer.events() if utc_seconds(e["time"]) >= fault.restarted):
+                   for e in observer.events() if event_time(e) >= fault.restarted):
                 fault.job_done_first = True
                 return
         time.sleep(0.05)

@@ -1,11 +1,32 @@
-"""Process helpers shared by the scripts and the tests: whole trees killed, free ports found."""
+"""Process helpers shared by the scripts and the tests: clean environments for the jobs they
+start, whole trees killed, free ports found."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 
 import psutil
+
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
+                 "MASTER_ADDR", "MASTER_PORT")
+"""What a launcher sets; an outer torchrun's values must not leak into the jobs started here."""
+
+
+def job_env(threads: int = 1, **extra: str) -> dict[str, str]:
+    """This environment without any launcher's variables, with ``threads`` intra-op threads
+    (on a small shared machine more threads per process collapse whenever another is busy) and
+    ``extra`` on top."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+    env["OMP_NUM_THREADS"] = str(threads)
+    # Without it, workers restarted after a failure hang creating their gloo group (torch 2.14),
+    # as jobs/local.sh also says.
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    env.update(extra)
+    return env
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,23 +9,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
-from processes import free_port, kill_tree  # noqa: F401 - shared with the scripts
-
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                 "MASTER_ADDR", "MASTER_PORT")
+from processes import LAUNCHER_VARS, free_port, job_env, kill_tree  # noqa: F401 - shared
 
 
 def clean_env(**extra: str) -> dict[str, str]:
     """The test's environment without any launcher's variables, one thread per worker."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env["OMP_NUM_THREADS"] = "1"
-    # Without it, workers restarted after a failure hang creating their gloo group (torch 2.14),
-    # as jobs/local.sh also says.
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-    env.update(extra)
-    return env
+    return job_env(1, **extra)
 
 
 def torchrun_cmd(nproc: int, *args: str, max_restarts: int = 0) -> list[str]:

@@ -7,13 +7,12 @@ import re
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from launch import LAUNCHER_VARS, REPO, clean_env
 
 from elastic_mnist import collectives
 
-REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 120
 LAUNCH = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
 MODULE = ["-m", "elastic_mnist.collectives"]
@@ -21,22 +20,9 @@ NAMES = list(collectives.DEMOS)
 # main() is wrapped by torch's @record, which cannot enable faulthandler under pytest's capture.
 quiet_record = pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
 
-# Variables a launcher sets; stripped so an outer torchrun cannot leak into the runs below.
-LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                 "MASTER_ADDR", "MASTER_PORT")
-
-
-def _clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
-    env["OMP_NUM_THREADS"] = "1"
-    return env
-
-
 def _run(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Runs ``cmd`` in its own session; on timeout kills the whole group (torchrun + workers)."""
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_clean_env() if env is None else env,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env() if env is None else env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:

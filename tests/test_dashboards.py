@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 from launch import clean_env, cli_cmd, free_port, kill_tree, run, start, torchrun_cmd
 from PIL import Image
-from test_elastic import committed_step, wait_until, workers
+from test_elastic import wait_until, workers
 
+from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.events import read_events
 from elastic_mnist.job import is_generated_id
 from elastic_mnist.progress import ProgressBar
@@ -61,7 +62,7 @@ def killed_run(tiny_digits, tmp_path_factory) -> Path:
     log = work / "run.log"
     proc = start(torchrun_cmd(2, *args_for(tiny_digits, work, "--run-id", "killed"),
                               max_restarts=2), log=log)
-    wait_until(lambda: committed_step(work / "ckpt") >= 12, proc)
+    wait_until(lambda: newest_committed_step(work / "ckpt") >= 12, proc)
     workers(proc)[0].send_signal(signal.SIGKILL)
     assert proc.wait(timeout=240) == 0, log.read_text()
     return work / "runs" / "killed"
@@ -73,7 +74,7 @@ def resized_run(tiny_digits, tmp_path_factory) -> Path:
     work = tmp_path_factory.mktemp("resized")
     log = work / "run.log"
     proc = start(torchrun_cmd(2, *args_for(tiny_digits, work)), log=log)
-    wait_until(lambda: committed_step(work / "ckpt") >= 8, proc)
+    wait_until(lambda: newest_committed_step(work / "ckpt") >= 8, proc)
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
     done = run(torchrun_cmd(1, *args_for(tiny_digits, work)))

@@ -15,6 +15,8 @@ import pytest
 import torch
 from launch import REPO, cli_cmd, kill_tree, run, start, torchrun_cmd
 
+from elastic_mnist.checkpoint import newest_committed_step
+
 pytestmark = pytest.mark.slow
 
 FLAGS = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
@@ -36,11 +38,6 @@ def evaluate(checkpoint_dir: Path) -> dict:
     done = run(cli_cmd("evaluate", "--checkpoint-dir", str(checkpoint_dir), "--json"))
     assert done.returncode == 0, done.stdout
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def committed_step(checkpoint_dir: Path) -> int:
-    steps = [int(p.stem.split("-")[1]) for p in checkpoint_dir.glob("step-*.json")]
-    return max(steps, default=0)
 
 
 def wait_until(predicate, proc, timeout=120.0) -> None:
@@ -73,7 +70,7 @@ def test_random_sigkills_resume_bitwise_identical(tiny_digits, reference, tmp_pa
     log = tmp_path / "chaos.log"
     proc = start(torchrun_cmd(2, *args_for(tiny_digits, tmp_path), max_restarts=3), log=log)
     for at_step in (4, 22):
-        wait_until(lambda s=at_step: committed_step(tmp_path / "ckpt") >= s, proc)
+        wait_until(lambda s=at_step: newest_committed_step(tmp_path / "ckpt") >= s, proc)
         victim = rng.choice(workers(proc))
         victim.send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))
@@ -93,7 +90,7 @@ def test_resize_2_1_2_uses_every_sample_once(tiny_digits, reference, tmp_path):
         if stop_after is None:
             assert proc.wait(timeout=240) == 0, log.read_text()
             break
-        wait_until(lambda s=stop_after: committed_step(tmp_path / "ckpt") >= s, proc)
+        wait_until(lambda s=stop_after: newest_committed_step(tmp_path / "ckpt") >= s, proc)
         proc.send_signal(signal.SIGTERM)  # preemption: agreed stop, checkpoint, exit
         proc.wait(timeout=30)
     audit = run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
@@ -112,7 +109,7 @@ def test_resize_2_1_2_uses_every_sample_once(tiny_digits, reference, tmp_path):
 def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(tiny_digits, tmp_path):
     log = tmp_path / "run.log"
     proc = start(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "100")), log=log)
-    wait_until(lambda: committed_step(tmp_path / "ckpt") >= 3, proc)
+    wait_until(lambda: newest_committed_step(tmp_path / "ckpt") >= 3, proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.wait(timeout=30)
@@ -121,7 +118,7 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(tiny_digits, tmp_path
     stops = [int(line.split("stopped at step ")[1].split()[0])
              for line in text.splitlines() if "stopped at step" in line]
     assert len(stops) == 2 and len(set(stops)) == 1, text  # both ranks, the same step
-    assert committed_step(tmp_path / "ckpt") == stops[0]
+    assert newest_committed_step(tmp_path / "ckpt") == stops[0]
     assert not [line for line in text.splitlines() if line.startswith("[rank")], text  # no trace
     again = run(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "100",
                                           "--max-steps", str(stops[0] + 2))))

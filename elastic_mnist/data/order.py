@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+CPU = torch.device("cpu")
+
 
 def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
     """The global sample order of one epoch (int64 [n]), the same on every rank and machine."""
@@ -23,8 +25,9 @@ def epoch_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=2)
-def _cached_permutation(seed: int, epoch: int, n: int) -> torch.Tensor:
-    return epoch_permutation(seed, epoch, n)
+def _cached_permutation(seed: int, epoch: int, n: int, device: torch.device) -> torch.Tensor:
+    """One epoch's order, moved to ``device`` once: no step copies indices from the host."""
+    return epoch_permutation(seed, epoch, n).to(device)
 
 
 @dataclass(frozen=True)
@@ -40,14 +43,15 @@ class SampleOrder:
     def steps_per_epoch(self) -> int:
         return math.ceil(self.num_samples / self.global_batch_size)
 
-    def permutation(self, epoch: int) -> torch.Tensor:
-        return _cached_permutation(self.seed, epoch, self.num_samples)
+    def permutation(self, epoch: int, device: torch.device = CPU) -> torch.Tensor:
+        return _cached_permutation(self.seed, epoch, self.num_samples, device)
 
-    def global_batch(self, epoch: int, cursor: int) -> torch.Tensor:
-        """Sample indices of the step that starts at ``cursor`` samples into ``epoch``."""
+    def global_batch(self, epoch: int, cursor: int, device: torch.device = CPU) -> torch.Tensor:
+        """Sample indices of the step that starts at ``cursor`` samples into ``epoch``, on
+        ``device``."""
         if not 0 <= cursor < self.num_samples:
             raise ValueError(f"cursor {cursor} outside an epoch of {self.num_samples} samples")
-        return self.permutation(epoch)[cursor:cursor + self.global_batch_size]
+        return self.permutation(epoch, device)[cursor:cursor + self.global_batch_size]
 
     def micro_batches(self, batch: torch.Tensor) -> list[torch.Tensor]:
         """A global batch cut into micro-batches; only the last may be shorter."""
