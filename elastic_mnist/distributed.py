@@ -5,7 +5,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import os
+import sys
 from collections.abc import Iterator
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -49,6 +52,23 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Itera
         yield
     finally:
         dist.destroy_process_group()
+
+
+def end_process(code: int) -> NoReturn:
+    """Ends a worker's process with ``code`` at once, without the interpreter's finalization.
+
+    ``destroy_process_group`` does not promise to destroy the backend: DDP keeps a reference to
+    the group, so gloo's worker threads outlive it. Such a thread drops its last reference to a
+    finished collective's tensors a little after the collective returns, and that takes the GIL;
+    if the interpreter is finalizing by then, the process aborts ("terminate called without an
+    active exception", SIGABRT) after a run that succeeded; ``scripts/exit_race.py`` shows it on
+    a loaded machine. Everything the job writes is closed before this; logs and standard streams
+    are flushed here.
+    """
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
 
 
 def is_active() -> bool:

@@ -57,6 +57,8 @@ def test_two_workers_train_checkpoint_log_and_resume(tiny_digits, tmp_path):
     result = evaluate(tmp_path / "ckpt")
     assert result["step"] == 20 and result["accuracy"] > 0.5  # chance is 0.1
     assert result["accuracy"] == pytest.approx(logged["test/accuracy"][-1][1])
+    train_log = (tmp_path / "runs" / "test" / "train.log").read_text()
+    assert train_log.rstrip().endswith("finished at step 20")  # flushed before the hard exit
 
     second = run(torchrun_cmd(2, *train_args(tiny_digits, tmp_path, "--epochs", "3")))
     assert second.returncode == 0, second.stdout
