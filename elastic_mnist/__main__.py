@@ -1,12 +1,8 @@
 """``python -m elastic_mnist``: the program torchrun starts on every worker."""
 
-import sys
-
 from elastic_mnist.cli import main
 
 code = main()
-if "elastic_mnist.distributed" in sys.modules:  # it may have run a process group
-    from elastic_mnist.distributed import end_process
+from elastic_mnist.distributed import end_process  # after main: --help stays quick
 
-    end_process(code)
-sys.exit(code)
+end_process(code)

@@ -1122,8 +1122,10 @@ def child_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in CHILD_COMMANDS:
-        return child_main(argv)
+    if argv and argv[0] in CHILD_COMMANDS:  # a process of its own, which may run a group
+        from elastic_mnist.distributed import end_process
+
+        end_process(child_main(argv))
     args = build_parser().parse_args(argv)
     if args.update_readme:
         update_readme(args.out)
