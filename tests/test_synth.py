@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import hashlib
+import json
+import math
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
 from elastic_mnist.data import synth
+from launch import clean_env
 from elastic_mnist.data.synth import generate, render_digits
 
 
@@ -33,11 +39,55 @@ def test_same_seed_same_bytes_and_other_seed_differs(train_set):
     assert not torch.equal(render_digits(labels.long(), 7), render_digits(labels.long(), 8))
 
 
+PINNED = "853b5fa04a7c1a2bf2db3dec846abf799d7f1709d00b7f689e52efddb93bcb6a"
+"""sha256 of ``generate(256, seed=0)``: the same on every machine. A renderer change changes every
+dataset, so update this too."""
+
+
+def digest_of(images: torch.Tensor, labels: torch.Tensor) -> str:
+    return hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
+
+
 def test_bytes_are_pinned():
-    """Same bytes on every machine; a renderer change changes every dataset, so update this too."""
-    images, labels = generate(256, seed=0)
-    digest = hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest()
-    assert digest == "853b5fa04a7c1a2bf2db3dec846abf799d7f1709d00b7f689e52efddb93bcb6a"
+    assert digest_of(*generate(256, seed=0)) == PINNED
+
+
+RENDER_IN_CHILD = f"""
+import hashlib, json, torch
+from numpy._core._multiarray_umath import __cpu_features__ as numpy_features
+from elastic_mnist.data.synth import generate
+images, labels = generate(256, seed=0)
+print(json.dumps({{
+    "capability": torch.backends.cpu.get_cpu_capability(),
+    "threads": torch.get_num_threads(),
+    "numpy_avx2": numpy_features["X86_V3"], "numpy_avx512": numpy_features["X86_V4"],
+    "digest": hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest(),
+}}))
+"""
+NUMPY_BASELINE_ONLY = {"NPY_DISABLE_CPU_FEATURES": "X86_V4 X86_V3 AVX512_ICL AVX512_SPR"}
+
+
+def test_bytes_match_on_every_cpu_kernel_path():
+    """Each torch CPU capability this machine has, numpy's baseline path, 1 and 2 threads."""
+    variants = [{"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
+                {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"},
+                {"ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": "1"},
+                {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2", **NUMPY_BASELINE_ONLY}]
+    children = [subprocess.Popen([sys.executable, "-c", RENDER_IN_CHILD], text=True,
+                                 stdout=subprocess.PIPE, env={**clean_env(), **extra})
+                for extra in variants]
+    results = [json.loads(child.communicate(timeout=120)[0]) for child in children]
+    assert {"DEFAULT", "AVX2"} <= {r["capability"] for r in results}, results  # AVX512 if here
+    assert any(not r["numpy_avx2"] for r in results), results  # numpy's baseline path ran
+    assert {r["digest"] for r in results} == {PINNED}, results
+
+
+def test_exact_sqrt_is_correctly_rounded():
+    """torch's CPU sqrt is not (MKL's vector math); the renderer's must be, on every machine."""
+    values = torch.rand(20_000, generator=torch.Generator().manual_seed(0)) * 1000
+    expected = torch.tensor([np.float32(math.sqrt(v)) for v in values.double().tolist()])
+    assert torch.equal(synth.exact_sqrt(values), expected)
+    assert torch.equal(synth.exact_sqrt(values[::3]), expected[::3])  # strided too
 
 
 def test_global_rng_untouched():

@@ -9,8 +9,15 @@ multiplicative pixel noise: uint8 images, background 0, ink up to 255, the digit
 
 Sample ``i`` depends only on ``seed``, ``i`` and its label: its parameters are one row of a
 table drawn up front from a ``torch.Generator``, and its pixel noise is an integer hash of its
-own key and the pixel index, so rendering in chunks changes nothing. Rendering uses only exactly
-rounded float operations (no BLAS, no transcendental functions), so bytes match across machines.
+own key and the pixel index, so rendering in chunks changes nothing.
+
+The bytes are the same on every machine, every CPU kernel path and any thread count: rendering
+uses only float32 operations that IEEE 754 rounds exactly (+, -, *, /, sqrt), elementwise, and
+min-reductions (exact in any order); no BLAS and no transcendental functions. One of them needs
+care: torch's CPU ``sqrt`` goes through MKL's vector math, which is not correctly rounded and
+whose result depends on the processor (a fifth of float32 results differ from IEEE's by an ulp
+on an AMD EPYC), so square roots are taken by numpy, whose every SIMD path uses the processor's
+own square-root instruction.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import torch
 
 SIZE = 28
@@ -188,6 +196,11 @@ def _place(segments: torch.Tensor, p: dict[str, torch.Tensor]) -> tuple[torch.Te
     )
 
 
+def exact_sqrt(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded square root of a CPU tensor, the same bytes on every processor."""
+    return torch.from_numpy(np.sqrt(x.numpy()))
+
+
 def _distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Distance ``[C, SIZE, SIZE]`` from each pixel centre to the nearest segment.
 
@@ -196,14 +209,14 @@ def _distance(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """
     ax, ay = x[..., 0, None, None], y[..., 0, None, None]  # [C, S, 1, 1]
     ex, ey = x[..., 1, None, None] - ax, y[..., 1, None, None] - ay
-    length = (ex * ex + ey * ey).sqrt().clamp_min(1e-3)
+    length = exact_sqrt(ex * ex + ey * ey).clamp_min(1e-3)
     ux, uy, half = ex / length, ey / length, length / 2
     grid = torch.arange(SIZE, dtype=torch.float32)
     dx, dy = grid - ax, grid[:, None] - ay  # [C, S, 1, SIZE] and [C, S, SIZE, 1]
     across = (dx * uy) - (dy * ux)
     beyond = (dx * ux - half) + (dy * uy)  # signed distance along the line from the midpoint
     beyond.abs_().sub_(half).clamp_min_(0)
-    return across.square_().add_(beyond.square_()).amin(dim=1).sqrt_()
+    return exact_sqrt(across.square_().add_(beyond.square_()).amin(dim=1))
 
 
 def _hash_uniform(counter: torch.Tensor) -> torch.Tensor:
