@@ -62,6 +62,8 @@ class Manifest:
     bytes: int
     saved_at: str
     format: int = FORMAT_VERSION
+    data_fingerprint: str = ""
+    """Of the digits it was trained on (data/fingerprint.py); empty in older checkpoints."""
 
     @property
     def name(self) -> str:
@@ -97,6 +99,7 @@ def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_genera
         sha256=hashlib.sha256(data).hexdigest(),
         bytes=len(data),
         saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
+        data_fingerprint=payload["data"].get("fingerprint", ""),
     )
     atomic_write_bytes(directory / manifest.file, data)
     atomic_write_bytes(directory / f"{name}.json", json.dumps(asdict(manifest), indent=2).encode())

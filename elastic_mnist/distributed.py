@@ -88,6 +88,15 @@ def all_agree(ok: bool, device: torch.device) -> bool:
     return bool(all_reduce_(flag, dist.ReduceOp.MIN).item())
 
 
+def all_gather_object(obj: object, device: torch.device) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank."""
+    if not is_active():
+        return [obj]
+    gathered: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)  # NCCL uses the current device, set at group start
+    return gathered
+
+
 def broadcast_object(obj: object, src: int, device: torch.device) -> object:
     """``obj`` as held by rank ``src``, on every rank."""
     if not is_active():

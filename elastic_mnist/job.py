@@ -32,6 +32,7 @@ from elastic_mnist.data.datasets import (
     load,
     prepare,
 )
+from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import EventLog
 from elastic_mnist.logs import add_file_handler
@@ -173,7 +174,25 @@ def prepare_dataset(cfg: TrainConfig, env: DistEnv, device: torch.device) -> Dat
     if failed:
         raise DataError("preparing the data failed on another node; see its log")
     kind = "synthetic" if synthetic else "mnist"
-    return load(dataset_root(Path(cfg.data.data_dir), cfg.data.dataset, kind), kind)
+    dataset = load(dataset_root(Path(cfg.data.data_dir), cfg.data.dataset, kind), kind)
+    check_same_data(dataset, env, device)
+    return dataset
+
+
+def check_same_data(dataset: Dataset, env: DistEnv, device: torch.device) -> None:
+    """Raises DataError, naming the ranks and hosts, unless every rank loaded the same digits
+    (node-local data folders can hold other files, or files rendered by other code)."""
+    mine = (dataset.fingerprint, platform.node(), str(dataset.root))
+    everyone = distributed.all_gather_object(mine, device)
+    if len({fingerprint for fingerprint, _, _ in everyone}) == 1:
+        return
+    groups: dict[str, list[str]] = {}
+    for rank, (fingerprint, host, root) in enumerate(everyone):
+        groups.setdefault(fingerprint, []).append(f"rank {rank} on {host} ({root})")
+    described = "; ".join(f"{fingerprint[:SHORT]}: {', '.join(ranks)}"
+                          for fingerprint, ranks in groups.items())
+    raise DataError(f"the ranks would train on different data (fingerprints {described}); "
+                    f"give every node the same files")
 
 
 def find_resume_payload(checkpoint_dir: Path, env: DistEnv,

@@ -30,6 +30,7 @@ from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
+from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog
@@ -205,7 +206,8 @@ class Trainer:
                     "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
                     "python": list(random.getstate()[1])},
             "config": self.cfg.to_dict(),
-            "data": {"kind": self.dataset.kind, "num_train": len(self.dataset.train)},
+            "data": {"kind": self.dataset.kind, "num_train": len(self.dataset.train),
+                     "fingerprint": self.dataset.fingerprint},
             "world_size": self.env.world_size,
             "run_id": self.run_id,
         }
@@ -438,3 +440,8 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig
     if (data["kind"], data["num_train"]) != (dataset.kind, len(dataset.train)):
         raise CheckpointError(f"{source} was trained on {data['num_train']} {data['kind']} "
                               f"samples, this run has {len(dataset.train)} {dataset.kind}")
+    if data.get("fingerprint", dataset.fingerprint) != dataset.fingerprint:  # older checkpoints lack it
+        raise CheckpointError(f"{source} was trained on other digits (fingerprint "
+                              f"{data['fingerprint'][:SHORT]}, this run's data "
+                              f"{dataset.fingerprint[:SHORT]} in {dataset.root}); use the same "
+                              f"data or another --checkpoint-dir")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from elastic_mnist.checkpoint import CheckpointError
+from elastic_mnist.cli import USER_ERRORS, report_user_error
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
@@ -13,8 +15,15 @@ from elastic_mnist.logs import setup_logging
 
 @record
 def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
-    """Sets up logging, the device and the process group; trains; always tears down."""
+    """Sets up logging, the device and the process group; trains; always tears down.
+
+    Bad input (data, checkpoints, environment) ends the worker with one line and exit code 2;
+    only real failures reach ``@record``, whose traceback torchrun prints in its summary.
+    """
     setup_logging(env)
-    device = resolve_device(cfg.run.device, env)
-    with process_group(env, device, cfg.run.pg_timeout):
-        return run_training(cfg, env, device)
+    try:
+        device = resolve_device(cfg.run.device, env)
+        with process_group(env, device, cfg.run.pg_timeout):
+            return run_training(cfg, env, device)
+    except USER_ERRORS + (CheckpointError,) as e:
+        return report_user_error("train", e)

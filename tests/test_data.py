@@ -1,4 +1,5 @@
 import gzip
+import os
 
 import pytest
 import torch
@@ -91,3 +92,32 @@ def test_fallback_generates_synthetic_beside_not_instead(tmp_path, monkeypatch):
     assert kind == "synthetic"
     assert len(load(tmp_path / "synthetic", "synthetic").train) == 20
     assert not raw_dir(tmp_path).joinpath("train-images-idx3-ubyte").exists()
+
+
+def test_fingerprint_is_cached_beside_the_files_and_follows_them(tmp_path):
+    from elastic_mnist.data.fingerprint import CACHE
+
+    fake_mnist(tmp_path)
+    ensure_mnist(tmp_path, download=False)  # prepares, and caches the fingerprint
+    raw = raw_dir(tmp_path)
+    assert (raw / CACHE).exists()
+    first = load(tmp_path, "mnist").fingerprint
+    assert len(first) == 64 and load(tmp_path, "mnist").fingerprint == first
+
+    labels = raw / SPLIT_FILES["test"][1]
+    before = labels.stat()
+    last = labels.read_bytes()[-1]
+    with open(labels, "r+b") as f:  # another label, same size, same times: the cache answers
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([(last + 1) % 10]))
+    os.utime(labels, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert load(tmp_path, "mnist").fingerprint == first
+    os.utime(labels, ns=(before.st_atime_ns, before.st_mtime_ns + 1))  # touched: hashed anew
+    assert load(tmp_path, "mnist").fingerprint != first
+
+
+def test_fingerprint_differs_between_datasets_of_one_shape(tmp_path):
+    write_synthetic(tmp_path / "a", train=30, test=10, seed=1)
+    write_synthetic(tmp_path / "b", train=30, test=10, seed=2)
+    assert load(tmp_path / "a", "synthetic").fingerprint != \
+        load(tmp_path / "b", "synthetic").fingerprint

@@ -202,6 +202,39 @@ def test_a_checkpoint_of_another_config_names_the_mismatch(tiny_digits, three_st
     assert "--seed=0" in done.stdout.strip().splitlines()[-1]
 
 
+def test_a_resume_onto_other_digits_is_refused(three_steps, tmp_path):
+    from elastic_mnist.data.datasets import write_synthetic
+
+    shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
+    other = tmp_path / "other-digits"
+    write_synthetic(other, train=640, test=256, seed=4)  # the same kind and count, other bytes
+    done = run(cli_cmd(*args_for(other, tmp_path, "--max-steps", "6")))
+    assert done.returncode == 2
+    line = done.stdout.strip().splitlines()[-1]
+    assert "trained on other digits (fingerprint" in line and str(other) in line, line
+    assert newest(tmp_path / "ckpt")["step"] == 3
+
+
+def test_ranks_that_see_other_digits_stop_before_the_first_step(tiny_digits, tmp_path):
+    """Node-local data folders that differ: each worker picks its folder by LOCAL_RANK."""
+    from elastic_mnist.data.datasets import write_synthetic
+
+    write_synthetic(tmp_path / "d1", train=640, test=256, seed=4)
+    shutil.copytree(tiny_digits, tmp_path / "d0")
+    worker = " ".join([sys.executable, "-m", "elastic_mnist",
+                       *args_for(tmp_path / "d$LOCAL_RANK", tmp_path)])
+    cmd = torchrun_cmd(2)[:-2] + ["--no-python", "sh", "-c", f"exec {worker}"]
+    done = run(cmd)
+    assert done.returncode != 0
+    refusals = [line for line in done.stdout.splitlines()
+                if line.startswith("elastic-mnist train: error: the ranks would train on different")]
+    assert len(refusals) == 2, done.stdout  # one line from each rank, no traceback
+    assert "DataError" not in done.stdout, done.stdout  # the workers print no traceback
+    assert all("rank 0 on" in line and "rank 1 on" in line and "d0" in line and "d1" in line
+               for line in refusals), refusals
+    assert not (tmp_path / "ckpt").exists() or newest_committed_step(tmp_path / "ckpt") == 0
+
+
 class _Exploit:
     def __reduce__(self):
         import os

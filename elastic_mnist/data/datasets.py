@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from elastic_mnist.data.fingerprint import fingerprint
 from elastic_mnist.data.idx import (
     IMAGES_MAGIC,
     LABELS_MAGIC,
@@ -33,6 +34,7 @@ SPLIT_FILES = {
     "train": ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     "test": ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
 }
+ALL_FILES = [name for names in SPLIT_FILES.values() for name in names]
 SYNTHETIC_MARKER = "SYNTHETIC.json"
 DEFAULT_SYNTHETIC = {"train": 60_000, "test": 10_000, "seed": 0}
 SYNTHETIC_WARNING = ("TRAINING ON SYNTHETIC DIGITS, NOT MNIST: accuracy figures of this run say "
@@ -75,13 +77,16 @@ class Dataset:
     """'mnist' or 'synthetic'."""
     root: Path
     """The folder holding MNIST/raw."""
+    fingerprint: str
+    """sha256 of both splits' files (data/fingerprint.py): the same digits, the same value."""
 
     @property
     def is_synthetic(self) -> bool:
         return self.kind == "synthetic"
 
     def describe(self) -> str:
-        return f"{self.kind} digits from {self.root} ({len(self.train)} train, {len(self.test)} test)"
+        return (f"{self.kind} digits from {self.root} ({len(self.train)} train, "
+                f"{len(self.test)} test, fingerprint {self.fingerprint[:12]})")
 
 
 def raw_dir(root: Path) -> Path:
@@ -94,8 +99,7 @@ def is_synthetic_dir(root: Path) -> bool:
 
 def has_split_files(root: Path) -> bool:
     raw = raw_dir(root)
-    return all((raw / name).exists() or (raw / f"{name}.gz").exists()
-               for names in SPLIT_FILES.values() for name in names)
+    return all((raw / name).exists() or (raw / f"{name}.gz").exists() for name in ALL_FILES)
 
 
 def synthetic_root(data_dir: Path, dataset: str) -> Path:
@@ -154,10 +158,11 @@ def ensure_mnist(root: Path, *, download: bool) -> None:
         if not has_split_files(root):
             raise DataError(missing_mnist_message(root, download))
         _extract_archives(root)
+        fingerprint(raw_dir(root), ALL_FILES)  # cached for every rank that loads the files
 
 
 def missing_mnist_message(root: Path, download: bool) -> str:
-    names = ", ".join(n for names in SPLIT_FILES.values() for n in names)
+    names = ", ".join(ALL_FILES)
     why = "downloading is off (--no-download)" if not download else "the download failed"
     return (f"MNIST not found in {raw_dir(root)} and {why}: put {names} (or their .gz files) "
             f"there, or train on --dataset synthetic")
@@ -177,11 +182,10 @@ def _download(root: Path) -> None:
 
 def _extract_archives(root: Path) -> None:
     raw = raw_dir(root)
-    for names in SPLIT_FILES.values():
-        for name in names:
-            if not (raw / name).exists():
-                log.info("extracting %s", raw / f"{name}.gz")
-                gunzip(raw / f"{name}.gz", raw / name)
+    for name in ALL_FILES:
+        if not (raw / name).exists():
+            log.info("extracting %s", raw / f"{name}.gz")
+            gunzip(raw / f"{name}.gz", raw / name)
 
 
 def ensure_synthetic(root: Path) -> None:
@@ -189,6 +193,7 @@ def ensure_synthetic(root: Path) -> None:
     with prepare_lock(root):
         if not is_synthetic_dir(root):
             write_synthetic(root, **DEFAULT_SYNTHETIC)
+        fingerprint(raw_dir(root), ALL_FILES)  # cached for every rank that loads the files
 
 
 def write_synthetic(root: Path, train: int, test: int, seed: int) -> None:
@@ -226,4 +231,5 @@ def load(root: Path, kind: str) -> Dataset:
         if len(labels) and int(labels.max()) > 9:
             raise DataError(f"{raw / label_file} holds a label {int(labels.max())} outside 0-9")
         splits[split] = Digits(images, labels.long())
-    return Dataset(train=splits["train"], test=splits["test"], kind=kind, root=Path(root))
+    return Dataset(train=splits["train"], test=splits["test"], kind=kind, root=Path(root),
+                   fingerprint=fingerprint(raw, ALL_FILES))
