@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -82,10 +83,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = {"train": cmd_train, "evaluate": cmd_evaluate, "inspect": cmd_inspect,
                "plot": cmd_plot, "rendezvous": rendezvous.run, "synth": cmd_synth}[args.command]
     try:
-        return command(args)
+        status = command(args)
+        sys.stdout.flush()  # a reader that went away (| head) shows here, not at exit
+        return status
     except USER_ERRORS + (_checkpoint_error(),) as e:
-        print(f"elastic-mnist {args.command}: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return report_user_error(args.command, e)
+    except BrokenPipeError:  # the reader has what it wanted: a normal end
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def report_user_error(command: str, error: Exception) -> int:
+    """Bad input, said in one line on stderr; returns the exit code."""
+    print(f"elastic-mnist {command}: error: {error}", file=sys.stderr)
+    return EXIT_USAGE
 
 
 def _checkpoint_error() -> type[Exception]:
@@ -155,13 +166,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     rows = []
     for entry in list_manifests(directory):
         if not isinstance(entry, Manifest):
-            rows.append({"file": entry[0].name, "valid": False, "reason": entry[1]})
+            rows.append({"file": entry[0].name, "path": str(entry[0].resolve()), "valid": False,
+                         "reason": entry[1]})
             continue
-        row = {"file": entry.file, "step": entry.step, "epoch": entry.epoch,
+        row = {"file": entry.file, "path": str((directory / entry.file).resolve()),
+               "step": entry.step, "epoch": entry.epoch,
                "cursor": entry.cursor, "samples_seen": entry.samples_seen,
                "world_size": entry.world_size, "run_id": entry.run_id,
                "restart_generation": entry.restart_generation, "bytes": entry.bytes,
-               "saved_at": entry.saved_at, "valid": False, "model_digest": None, "reason": ""}
+               "saved_at": entry.saved_at, "data_fingerprint": entry.data_fingerprint,
+               "valid": False, "model_digest": None, "reason": ""}
         try:
             payload = deserialize(read_verified(directory, entry), str(directory / entry.file))
             row.update(valid=True, model_digest=state_digest(payload["model"]))

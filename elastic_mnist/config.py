@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import textwrap
 import typing
 from dataclasses import dataclass, field
@@ -45,8 +46,9 @@ class OptimConfig:
     """Stop after this many optimizer steps in total (0: no limit beyond --epochs)."""
     global_batch_size: int = 128
     """Samples per optimizer step, summed over all ranks, whatever the world size."""
-    micro_batch_size: int = 32
-    """Samples per forward pass; a global batch is cut into such micro-batches, shared by ranks."""
+    micro_batch_size: int = 0
+    """Samples per forward pass; a global batch is cut into such micro-batches, shared by ranks
+    (0: the largest divisor of --global-batch-size not above 32)."""
     lr: float = 2e-3
     """Peak learning rate of Adam."""
     warmup_steps: int = 50
@@ -57,6 +59,16 @@ class OptimConfig:
     """Seed of the model's initialisation and of every epoch's sample order."""
     grad_sync: Literal["ddp", "allreduce"] = "ddp"
     """Gradient averaging: DistributedDataParallel, or a hand-written all-reduce (as the seeds)."""
+
+    def __post_init__(self) -> None:
+        if self.micro_batch_size == 0:
+            self.micro_batch_size = default_micro_batch_size(self.global_batch_size)
+
+
+def default_micro_batch_size(global_batch_size: int, largest: int = 32) -> int:
+    """The largest divisor of the global batch not above ``largest``: no short micro-batch."""
+    return next((d for d in range(min(largest, global_batch_size), 0, -1)
+                 if global_batch_size % d == 0), 0)
 
 
 @dataclass
@@ -108,6 +120,11 @@ class TrainConfig:
     def validate(self) -> None:
         """Raises ConfigError with a one-line message naming the bad flag."""
         o = self.optim
+        for section in (self.data, o, self.checkpoint, self.run):
+            for f in dataclasses.fields(section):
+                value = getattr(section, f.name)
+                if isinstance(value, float) and not math.isfinite(value):
+                    raise ConfigError(f"{flag_name(f.name)} must be a finite number, got {value}")
         _positive("--epochs", o.epochs)
         _positive("--global-batch-size", o.global_batch_size)
         _positive("--micro-batch-size", o.micro_batch_size)

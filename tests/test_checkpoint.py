@@ -1,9 +1,11 @@
 import json
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
-from launch import cli_cmd, run
+from launch import clean_env, cli_cmd, run
 
 from elastic_mnist.checkpoint import (
     Checkpointer,
@@ -117,3 +119,22 @@ def test_inspect_reports_every_checkpoint(tmp_path):
     assert rows[1]["valid"] is True
     assert rows[1]["model_digest"] == state_digest(build_model(1).state_dict())
     assert report["latest"] == "step-00000002"
+
+
+def test_inspect_names_each_checkpoint_by_an_absolute_path(tmp_path):
+    save(tmp_path / "ckpt", 3)
+    done = run(cli_cmd("inspect", "--checkpoint-dir", "ckpt", "--json"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout
+    row = json.loads(done.stdout)["checkpoints"][0]
+    assert row["file"] == "step-00000003.pt" and row["valid"]
+    assert Path(row["path"]).is_absolute() and Path(row["path"]) == tmp_path / "ckpt" / row["file"]
+
+
+def test_a_reader_that_goes_away_is_a_normal_end(tmp_path):
+    for step in range(1, 4):
+        save(tmp_path, step)
+    proc = subprocess.Popen(cli_cmd("inspect", "--checkpoint-dir", str(tmp_path), "--json"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=clean_env())
+    proc.stdout.close()  # as `| head` does once it has its lines
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0 and not err, err

@@ -47,6 +47,10 @@ def test_help_documents_every_contract_flag_with_its_default():
     (["--micro-batch-size", "256"], "--micro-batch-size"),
     (["--max-steps", "-3"], "--max-steps"),
     (["--lr", "0"], "--lr"),
+    (["--lr", "inf"], "--lr"),
+    (["--weight-decay", "nan"], "--weight-decay"),
+    (["--pg-timeout", "inf"], "--pg-timeout"),
+    (["--global-batch-size", "24", "--micro-batch-size", "32"], "--micro-batch-size"),
 ])
 def test_bad_values_are_config_errors(argv, flag):
     with pytest.raises(ConfigError, match=flag):
@@ -78,3 +82,19 @@ def test_a_bad_flag_is_one_line_from_the_real_program_too(tmp_path):
     assert done.returncode == 2, done.stdout
     assert len(done.stdout.strip().splitlines()) == 1, done.stdout
     assert "error" in done.stdout
+
+
+@pytest.mark.parametrize("global_batch, micro", [(128, 32), (24, 24), (100, 25), (7, 7), (96, 32)])
+def test_the_micro_batch_follows_the_global_batch_unless_given(global_batch, micro):
+    cfg = parse("--global-batch-size", str(global_batch))
+    cfg.validate()
+    assert cfg.optim.micro_batch_size == micro
+    assert parse("--global-batch-size", "24", "--micro-batch-size", "8").optim.micro_batch_size == 8
+    assert TrainConfig().optim.micro_batch_size == 32
+
+
+def test_a_non_finite_float_flag_is_one_line_and_exit_2(tmp_path):
+    done = run(cli_cmd("train", "--lr", "inf", "--max-steps", "2"), cwd=tmp_path)
+    assert done.returncode == 2, done.stdout
+    assert done.stdout.strip() == "elastic-mnist train: error: --lr must be a finite number, got inf"
+    assert not list(tmp_path.iterdir())  # nothing trained, nothing written

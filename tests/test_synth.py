@@ -11,9 +11,9 @@ import sys
 import numpy as np
 import pytest
 import torch
+from launch import clean_env
 
 from elastic_mnist.data import synth
-from launch import clean_env
 from elastic_mnist.data.synth import generate, render_digits
 
 
@@ -52,17 +52,17 @@ def test_bytes_are_pinned():
     assert digest_of(*generate(256, seed=0)) == PINNED
 
 
-RENDER_IN_CHILD = f"""
+RENDER_IN_CHILD = """
 import hashlib, json, torch
 from numpy._core._multiarray_umath import __cpu_features__ as numpy_features
 from elastic_mnist.data.synth import generate
 images, labels = generate(256, seed=0)
-print(json.dumps({{
+print(json.dumps({
     "capability": torch.backends.cpu.get_cpu_capability(),
     "threads": torch.get_num_threads(),
     "numpy_avx2": numpy_features["X86_V3"], "numpy_avx512": numpy_features["X86_V4"],
     "digest": hashlib.sha256(images.numpy().tobytes() + labels.numpy().tobytes()).hexdigest(),
-}}))
+}))
 """
 NUMPY_BASELINE_ONLY = {"NPY_DISABLE_CPU_FEATURES": "X86_V4 X86_V3 AVX512_ICL AVX512_SPR"}
 
