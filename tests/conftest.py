@@ -7,6 +7,8 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+pytest_plugins = ["shared_runs"]  # the expensive runs, launched once and shared
+
 REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
 
 

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import clean_env, cli_cmd, run
+from shared_runs import command_json
 
 from elastic_mnist.checkpoint import (
     Checkpointer,
@@ -121,11 +122,10 @@ def test_inspect_reports_every_checkpoint(tmp_path):
     assert report["latest"] == "step-00000002"
 
 
-def test_inspect_names_each_checkpoint_by_an_absolute_path(tmp_path):
+def test_inspect_names_each_checkpoint_by_an_absolute_path(tmp_path, monkeypatch):
     save(tmp_path / "ckpt", 3)
-    done = run(cli_cmd("inspect", "--checkpoint-dir", "ckpt", "--json"), cwd=tmp_path)
-    assert done.returncode == 0, done.stdout
-    row = json.loads(done.stdout)["checkpoints"][0]
+    monkeypatch.chdir(tmp_path)
+    row = command_json("inspect", "--checkpoint-dir", "ckpt")["checkpoints"][0]
     assert row["file"] == "step-00000003.pt" and row["valid"]
     assert Path(row["path"]).is_absolute() and Path(row["path"]) == tmp_path / "ckpt" / row["file"]
 

@@ -3,170 +3,111 @@
 from __future__ import annotations
 
 import json
-import random
 import shutil
-import signal
 import sys
-import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from launch import REPO, cli_cmd, kill_tree, run, start, torchrun_cmd
+from launch import REPO, cli_cmd, run, torchrun_cmd
+from shared_runs import STEPS, args_for, evaluate, newest
 
 from elastic_mnist.checkpoint import newest_committed_step
+from elastic_mnist.data.datasets import load
 
 pytestmark = pytest.mark.slow
 
-FLAGS = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
-         "--log-every", "5", "--epochs", "4", "--checkpoint-every", "3", "--run-id", "elastic"]
-
-
-def args_for(data: Path, work: Path, *extra: str) -> list[str]:
-    return ["train", *FLAGS, "--data-dir", str(data), "--checkpoint-dir", str(work / "ckpt"),
-            "--logdir", str(work / "runs"), *extra]
-
-
-def newest(checkpoint_dir: Path) -> dict:
-    done = run(cli_cmd("inspect", "--checkpoint-dir", str(checkpoint_dir), "--json"))
-    assert done.returncode == 0, done.stdout
-    return json.loads(done.stdout)["checkpoints"][0]
-
-
-def evaluate(checkpoint_dir: Path) -> dict:
-    done = run(cli_cmd("evaluate", "--checkpoint-dir", str(checkpoint_dir), "--json"))
-    assert done.returncode == 0, done.stdout
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def wait_until(predicate, proc, timeout=120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if proc.poll() is not None:
-            raise AssertionError(f"the job ended (exit {proc.returncode}) before the fault")
-        if time.monotonic() > deadline:
-            kill_tree(proc.pid)
-            raise AssertionError("timed out waiting for the job")
-        time.sleep(0.02)
-
-
-def workers(proc) -> list[psutil.Process]:
-    return [p for p in psutil.Process(proc.pid).children(recursive=True)
-            if "elastic_mnist" in " ".join(p.cmdline())]
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_digits, tmp_path_factory) -> Path:
-    """The uninterrupted run at world size 2."""
-    work = tmp_path_factory.mktemp("reference")
-    done = run(torchrun_cmd(2, *args_for(tiny_digits, work)))
-    assert done.returncode == 0, done.stdout
-    return work
-
-
-def test_random_sigkills_resume_bitwise_identical(tiny_digits, reference, tmp_path):
-    rng = random.Random(0)
-    log = tmp_path / "chaos.log"
-    proc = start(torchrun_cmd(2, *args_for(tiny_digits, tmp_path), max_restarts=3), log=log)
-    for at_step in (4, 22):
-        wait_until(lambda s=at_step: newest_committed_step(tmp_path / "ckpt") >= s, proc)
-        victim = rng.choice(workers(proc))
-        victim.send_signal(signal.SIGKILL)
-        time.sleep(rng.uniform(0.0, 0.3))
-    assert proc.wait(timeout=240) == 0, log.read_text()
-    text = log.read_text()
+def test_random_sigkills_resume_bitwise_identical(killed_run, reference_run):
+    text = (killed_run / "run.log").read_text()
     assert text.count("resumed from") >= 2, text
-    ours, theirs = newest(tmp_path / "ckpt"), newest(reference / "ckpt")
-    assert ours["step"] == theirs["step"] == 40
+    ours, theirs = newest(killed_run / "ckpt"), newest(reference_run / "ckpt")
+    assert ours["step"] == theirs["step"] == STEPS
     assert ours["model_digest"] == theirs["model_digest"]
 
 
-def test_resize_2_1_2_uses_every_sample_once(tiny_digits, reference, tmp_path):
-    log = tmp_path / "launch.log"
-    for nproc, stop_after in ((2, 8), (1, 20), (2, None)):
-        proc = start(torchrun_cmd(nproc, *args_for(tiny_digits, tmp_path, "--audit-samples")),
-                     log=log)
-        if stop_after is None:
-            assert proc.wait(timeout=240) == 0, log.read_text()
-            break
-        wait_until(lambda s=stop_after: newest_committed_step(tmp_path / "ckpt") >= s, proc)
-        proc.send_signal(signal.SIGTERM)  # preemption: agreed stop, checkpoint, exit
-        proc.wait(timeout=30)
+def test_resize_2_1_2_uses_every_sample_once(resized_run, reference_run):
     audit = run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
-                 str(tmp_path / "runs" / "elastic"), "--num-samples", "640"])
+                 str(resized_run.run_dir), "--num-samples", "640"])
     assert audit.returncode == 0, audit.stdout
     worlds = {json.loads(line)["world_size"]
-              for path in (tmp_path / "runs" / "elastic" / "audit").glob("*.jsonl")
+              for path in (resized_run.run_dir / "audit").glob("*.jsonl")
               for line in path.read_text().splitlines()}
     assert worlds == {1, 2}
-    ours, theirs = evaluate(tmp_path / "ckpt"), evaluate(reference / "ckpt")
-    assert ours["step"] == 40
+    ours, theirs = evaluate(resized_run.work / "ckpt"), evaluate(reference_run / "ckpt")
+    assert ours["step"] == STEPS
     assert abs(ours["accuracy"] - theirs["accuracy"]) <= 0.02
     assert ours["loss"] == pytest.approx(theirs["loss"], rel=0.05)
 
 
-def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(tiny_digits, tmp_path):
-    log = tmp_path / "run.log"
-    proc = start(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "100")), log=log)
-    wait_until(lambda: newest_committed_step(tmp_path / "ckpt") >= 3, proc)
-    sent = time.monotonic()
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=30)
-    assert time.monotonic() - sent < 10
-    text = log.read_text()
-    stops = [int(line.split("stopped at step ")[1].split()[0])
-             for line in text.splitlines() if "stopped at step" in line]
-    assert len(stops) == 2 and len(set(stops)) == 1, text  # both ranks, the same step
-    assert newest_committed_step(tmp_path / "ckpt") == stops[0]
-    assert not [line for line in text.splitlines() if line.startswith("[rank")], text  # no trace
-    again = run(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "100",
-                                          "--max-steps", str(stops[0] + 2))))
-    assert again.returncode == 0, again.stdout
-    assert f"step {stops[0]}, epoch" in again.stdout  # resumed exactly there
+def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(resized_run):
+    logs = [p.log for p in resized_run.preemptions] + [resized_run.last_log]
+    for preemption, next_log in zip(resized_run.preemptions, logs[1:]):
+        assert preemption.seconds_to_exit < 10
+        stops = [int(line.split("stopped at step ")[1].split()[0])
+                 for line in preemption.log.splitlines() if "stopped at step" in line]
+        assert len(stops) == preemption.world_size and len(set(stops)) == 1, preemption.log
+        assert not [line for line in preemption.log.splitlines() if line.startswith("[rank")]
+        assert preemption.newest_checkpoint == stops[0]  # saved at the agreed step
+        assert f"step {stops[0]}, epoch" in next_log  # the next launch resumed exactly there
 
 
 @pytest.fixture(scope="module")
 def invariance_digits(tmp_path_factory) -> Path:
+    """A larger test split (2,000), to compare accuracies finely."""
     from elastic_mnist.data.datasets import write_synthetic
 
     root = tmp_path_factory.mktemp("invariance-digits")
-    write_synthetic(root, train=640, test=2000, seed=5)
+    write_synthetic(root, train=64, test=2000, seed=5)
     return root
 
 
-def test_training_does_not_depend_on_the_world_size(invariance_digits, tmp_path):
+def test_training_does_not_depend_on_the_world_size(tiny_digits, reference_run,
+                                                    invariance_digits, tmp_path):
     """One step agrees to rounding at world sizes 1, 2 and 4 (parameters and BatchNorm running
-    statistics); 150 steps agree in accuracy and loss at world sizes 1 and 2."""
-    one_step, long_run = {}, {}
-    for world in (1, 2, 4):
-        work = tmp_path / f"w{world}"
-        done = run(torchrun_cmd(world, *args_for(invariance_digits, work / "one",
-                                                 "--max-steps", "1")))
-        assert done.returncode == 0, done.stdout
-        one_step[world] = torch.load(work / "one" / "ckpt" / "step-00000001.pt",
-                                     weights_only=True)["model"]
-        if world == 4:  # four processes on two cores: its one step suffices
-            continue
-        done = run(torchrun_cmd(world, *args_for(invariance_digits, work / "long",
-                                                 "--max-steps", "150", "--epochs", "100")),
-                   timeout=400)
-        assert done.returncode == 0, done.stdout
-        long_run[world] = evaluate(work / "long" / "ckpt")
-    for world in (2, 4):
-        for key, value in one_step[1].items():
-            torch.testing.assert_close(one_step[world][key].float(), value.float(),
-                                       rtol=0, atol=1e-6, msg=f"{key} at world size {world}")
-    assert abs(long_run[2]["accuracy"] - long_run[1]["accuracy"]) <= 0.005
-    assert long_run[2]["loss"] == pytest.approx(long_run[1]["loss"], rel=0.02)
+    statistics); the whole run agrees in accuracy and loss at world sizes 1 and 2."""
+    alone = tmp_path / "w1"
+    done = run(torchrun_cmd(1, *args_for(tiny_digits, alone, "--checkpoint-every", "1",
+                                         "--keep-last", "100")))
+    assert done.returncode == 0, done.stdout
+    four = tmp_path / "w4"  # four processes on two cores: one step suffices
+    done = run(torchrun_cmd(4, *args_for(tiny_digits, four, "--max-steps", "1")))
+    assert done.returncode == 0, done.stdout
+
+    def first_step(work: Path) -> dict:
+        return torch.load(work / "ckpt" / "step-00000001.pt", weights_only=True)["model"]
+
+    one = first_step(alone)
+    for world, work in ((2, reference_run), (4, four)):
+        for key, value in first_step(work).items():
+            torch.testing.assert_close(value.float(), one[key].float(), rtol=0, atol=1e-6,
+                                       msg=f"{key} at world size {world}")
+    test_digits = load(invariance_digits, "synthetic").test
+    (loss1, accuracy1), (loss2, accuracy2) = (
+        evaluate_in_process(work / "ckpt" / f"step-{STEPS:08d}.pt", test_digits)
+        for work in (alone, reference_run))
+    assert accuracy1 > 0.5  # chance is 0.1
+    assert abs(accuracy2 - accuracy1) <= 0.005
+    assert loss2 == pytest.approx(loss1, rel=0.02)
+
+
+def evaluate_in_process(checkpoint: Path, digits) -> tuple[float, float]:
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.model import build_model
+    from elastic_mnist.trainer import evaluate as evaluate_model
+
+    model = build_model(0)
+    model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])
+    return evaluate_model(model, digits, torch.device("cpu"), DistEnv())
 
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_digits, tmp_path):
-    first = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "6")))
+    first = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "6",
+                                  "--checkpoint-every", "3")))
     assert first.returncode == 0, first.stdout
     latest = tmp_path / "ckpt" / "step-00000006.pt"
     latest.write_bytes(latest.read_bytes()[:1000])
-    second = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "8")))
+    second = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "8",
+                                   "--checkpoint-every", "3")))
     assert second.returncode == 0, second.stdout
     assert "skipping checkpoint" in second.stdout
     assert "step-00000003.pt: step 3" in second.stdout

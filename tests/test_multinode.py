@@ -22,25 +22,19 @@ def starts(workdir) -> list[dict]:
     return [e for e in events if e["event"] == "start"]
 
 
-def test_a_lost_node_leaves_the_job_running_and_a_new_one_grows_it_back(tmp_path):
-    # The agent-hosted store lives on node 0, so the harness takes node 1. A join takes about
-    # 10 s to turn into a new group, hundreds of these tiny steps: it comes early in a long job.
-    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "agent", "--steps",
-                         "600", "--schedule", "10:kill-node:1,20:join", "--workdir",
-                         str(tmp_path), "--json", str(tmp_path / "faults.json")])
-    assert status == 0  # finished; every sample once per epoch; accuracy; valid checkpoints
-    worlds = [s["world_size"] for s in starts(tmp_path)]
-    assert worlds[0] == 2 and 1 in worlds and worlds[-1] == 2, worlds
-    join = json.loads((tmp_path / "faults.json").read_text())["faults"][-1]
-    assert join["kind"] == "join" and join["first_step_s"] is not None, join  # grown, trained
-
-
-def test_the_external_store_outlives_the_first_node(tmp_path):
+def test_a_lost_first_node_leaves_the_job_running_and_a_new_one_grows_it_back(tmp_path):
+    """The external store outlives node 0, the first one. A join takes about 10 s to turn into
+    a new group, hundreds of these tiny steps: it comes early in a long job. The accuracy
+    against an uninterrupted run is checked by make chaos and by tests/test_elastic.py."""
     status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "external", "--steps",
-                         "120", "--schedule", "30:kill-node:0", "--workdir", str(tmp_path)])
-    assert status == 0
+                         "300", "--schedule", "10:kill-node:0,20:join", "--no-reference",
+                         "--workdir", str(tmp_path), "--json", str(tmp_path / "faults.json")])
+    assert status == 0  # finished; every sample once per epoch; valid checkpoints
     worlds = [s["world_size"] for s in starts(tmp_path)]
-    assert worlds == [2, 1], worlds
+    assert worlds == [2, 1, 2], worlds
+    kill, join = json.loads((tmp_path / "faults.json").read_text())["faults"]
+    assert kill["kind"] == "kill-node" and kill["node"] == 0 and kill["first_step_s"], kill
+    assert join["kind"] == "join" and join["first_step_s"] is not None, join  # grown, trained
 
 
 def test_a_port_in_use_for_the_store_is_a_clear_error():

@@ -1,0 +1,146 @@
+"""The suite's expensive runs, each launched once per session and asserted on by several tests.
+
+Every run trains the tiny synthetic digits (640 train, 256 test) for 4 epochs of 10 steps at a
+global batch of 64 under real torchrun on CPU:
+
+- ``reference_run``: two workers, uninterrupted, a checkpoint after every step;
+- ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them;
+- ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
+  workers finishing, every sample audited; no --run-id given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+from launch import kill_tree, run, start, torchrun_cmd
+
+from elastic_mnist.checkpoint import newest_committed_step
+from elastic_mnist.cli import main
+
+FLAGS = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
+         "--log-every", "2", "--epochs", "4"]
+STEPS = 40
+"""Steps of a whole run: 4 epochs of 640 samples at 64 a step."""
+
+
+def args_for(data: Path, work: Path, *extra: str) -> list[str]:
+    return ["train", *FLAGS, "--data-dir", str(data), "--checkpoint-dir", str(work / "ckpt"),
+            "--logdir", str(work / "runs"), *extra]
+
+
+def wait_until(predicate, proc, timeout=120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended (exit {proc.returncode}) before the fault")
+        if time.monotonic() > deadline:
+            kill_tree(proc.pid)
+            raise AssertionError("timed out waiting for the job")
+        time.sleep(0.02)
+
+
+def workers(proc) -> list[psutil.Process]:
+    return [p for p in psutil.Process(proc.pid).children(recursive=True)
+            if "elastic_mnist" in " ".join(p.cmdline())]
+
+
+def command_json(*argv: str) -> dict:
+    """What an ``elastic-mnist ... --json`` command prints, run in this process: the programs
+    themselves are run for real in their own tests, these read what a run left behind."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = main([*argv, "--json"])
+    assert status == 0, out.getvalue()
+    return json.loads(out.getvalue())
+
+
+def inspect(checkpoint_dir: Path) -> dict:
+    return command_json("inspect", "--checkpoint-dir", str(checkpoint_dir))
+
+
+def newest(checkpoint_dir: Path) -> dict:
+    return inspect(checkpoint_dir)["checkpoints"][0]
+
+
+def evaluate(checkpoint_dir: Path, *flags: str) -> dict:
+    return command_json("evaluate", "--checkpoint-dir", str(checkpoint_dir), *flags)
+
+
+@pytest.fixture(scope="session")
+def reference_run(tiny_digits, tmp_path_factory) -> Path:
+    """The uninterrupted run at world size 2, every step's checkpoint kept."""
+    work = tmp_path_factory.mktemp("reference")
+    done = run(torchrun_cmd(2, *args_for(tiny_digits, work, "--checkpoint-every", "1",
+                                         "--keep-last", str(STEPS), "--run-id", "reference")))
+    assert done.returncode == 0, done.stdout
+    (work / "run.log").write_text(done.stdout)
+    return work
+
+
+@pytest.fixture(scope="session")
+def killed_run(tiny_digits, tmp_path_factory) -> Path:
+    """A random worker SIGKILLed after the checkpoints of steps 4 and 24; torchrun restarts."""
+    work = tmp_path_factory.mktemp("killed")
+    log = work / "run.log"
+    rng = random.Random(0)
+    proc = start(torchrun_cmd(2, *args_for(tiny_digits, work, "--checkpoint-every", "4",
+                                           "--run-id", "killed"), max_restarts=3), log=log)
+    for at_step in (4, 24):
+        wait_until(lambda s=at_step: newest_committed_step(work / "ckpt") >= s, proc)
+        rng.choice(workers(proc)).send_signal(signal.SIGKILL)
+        time.sleep(rng.uniform(0.0, 0.3))
+    assert proc.wait(timeout=240) == 0, log.read_text()
+    return work
+
+
+@dataclass
+class Preemption:
+    """One SIGTERM of a launch: the world size, and how long the launch took to end."""
+
+    world_size: int
+    log: str
+    seconds_to_exit: float
+    newest_checkpoint: int
+    """The step of the newest committed checkpoint once the launch had ended."""
+
+
+@dataclass
+class ResizedRun:
+    work: Path
+    preemptions: list[Preemption]
+    last_log: str
+
+    @property
+    def run_dir(self) -> Path:
+        (run_dir,) = (self.work / "runs").iterdir()
+        return run_dir
+
+
+@pytest.fixture(scope="session")
+def resized_run(tiny_digits, tmp_path_factory) -> ResizedRun:
+    """World size 2, SIGTERM after step 8; 1, SIGTERM after step 20; 2 to the end."""
+    work = tmp_path_factory.mktemp("resized")
+    args = args_for(tiny_digits, work, "--checkpoint-every", "4", "--audit-samples")
+    preemptions = []
+    for nproc, stop_after in ((2, 8), (1, 20)):
+        log = work / f"launch-{len(preemptions)}.log"
+        proc = start(torchrun_cmd(nproc, *args), log=log)
+        wait_until(lambda s=stop_after: newest_committed_step(work / "ckpt") >= s, proc)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)  # preemption: agreed stop, checkpoint, exit
+        proc.wait(timeout=30)
+        preemptions.append(Preemption(nproc, log.read_text(), time.monotonic() - sent,
+                                      newest_committed_step(work / "ckpt")))
+    done = run(torchrun_cmd(2, *args))
+    assert done.returncode == 0, done.stdout
+    return ResizedRun(work, preemptions, done.stdout)
