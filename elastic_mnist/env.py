@@ -38,6 +38,9 @@ class DistEnv:
     """Port of the rank-0 store (``MASTER_PORT``)."""
     launched: bool = False
     """True when a launcher (torchrun) set ``RANK`` and ``WORLD_SIZE``."""
+    uses_agent_store: bool = False
+    """``MASTER_ADDR:MASTER_PORT`` is torchrun's own rendezvous store, shared with the workers
+    and kept across restarts (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default)."""
 
     @property
     def is_main(self) -> bool:
@@ -94,6 +97,7 @@ class DistEnv:
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=None if master_port is None else _int(env, "MASTER_PORT", minimum=1),
             launched=True,
+            uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
     def describe(self) -> str:

@@ -17,8 +17,10 @@ if (( gpus == 0 )) && [[ -z "${OMP_NUM_THREADS:-}" ]]; then
   export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
 fi
 
-# Restarted workers (after a failure or a resize) hang creating their process group when the
-# agent shares its rendezvous TCPStore with them (torch 2.14); a store of their own works.
+# As every launch line of the README: torch 2.14's agents share their rendezvous store with the
+# workers by default, and then a node joining a job hangs the agents. One node never sees a join,
+# and restarts work either way (the workers build their group on a store of their own), but
+# with the variable the worker has nothing to warn about.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 exec torchrun --standalone --nproc_per_node="$NPROC_PER_NODE" \

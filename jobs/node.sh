@@ -73,8 +73,9 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]] && (( gpus == 0 )); then
 fi
 
 # With TCPStore sharing on (torch 2.14's default), a node joining a running job hangs both agents
-# for 60 s and then fails them (the old rank 0 never writes MASTER_ADDR for the new round), and
-# restarted workers hang creating their process group. Workers with a store of their own work.
+# for 60 s and then fails them (the old rank 0 never writes MASTER_ADDR for the new round).
+# Restarts after failures work either way: the workers build each attempt's process group on a
+# store of their own (elastic_mnist/attempt_store.py).
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # Rendezvous timing: the values measured to make recovery fast. With torch's defaults a survivor

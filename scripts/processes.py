@@ -15,16 +15,18 @@ LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_
 """What a launcher sets; an outer torchrun's values must not leak into the jobs started here."""
 
 
+WORKAROUNDS = ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE",)
+"""What jobs/*.sh set for torchrun; a plain launch, as users make it, has none of them."""
+
+
 def job_env(threads: int = 1, **extra: str) -> dict[str, str]:
-    """This environment without any launcher's variables, with ``threads`` intra-op threads
-    (on a small shared machine more threads per process collapse whenever another is busy) and
+    """The environment of a plain launch, as a user makes it: this one without any launcher's
+    variables and without the workarounds jobs/*.sh set, with ``threads`` intra-op threads (on a
+    small shared machine more threads per process collapse whenever another is busy) and
     ``extra`` on top."""
     env = {k: v for k, v in os.environ.items()
-           if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+           if k not in LAUNCHER_VARS + WORKAROUNDS and not k.startswith("TORCHELASTIC_")}
     env["OMP_NUM_THREADS"] = str(threads)
-    # Without it, workers restarted after a failure hang creating their gloo group (torch 2.14),
-    # as jobs/local.sh also says.
-    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     env.update(extra)
     return env
 

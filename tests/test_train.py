@@ -66,6 +66,7 @@ def test_make_train_line_runs_via_jobs_local(tiny_digits, tmp_path):
     args = args_for(tiny_digits, tmp_path, "--max-steps", "3")[1:]  # local.sh adds `train`
     done = run([str(REPO / "jobs" / "local.sh"), *args], env=env)
     assert done.returncode == 0, done.stdout
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in done.stdout  # set: nothing to warn about
     assert inspect(tmp_path / "ckpt")["checkpoints"][0]["step"] == 3
 
 

@@ -1,0 +1,78 @@
+"""The store each attempt builds its process group on: always a fresh one.
+
+torchrun (torch 2.14) shares its rendezvous TCPStore with the workers by default
+(``TORCHELASTIC_USE_AGENT_STORE=True``): every attempt's workers would build their process group
+on the agent's store, which outlives restarts with no namespace per attempt. Workers restarted
+after a failure can then read a dead worker's gloo address and fail ("Gloo connectFullMesh failed
+... Connection refused") or hang; pytorch/pytorch#135712 reports the same for NCCL. Restart
+counts cannot tell attempts apart: each agent counts its own, and a membership change does not
+count at all.
+
+So under the shared store rank 0 serves a fresh store of its own and publishes its address, with
+a random nonce, through the agent's store; every other rank takes an address only once the store
+there answers with that nonce. An entry left by an earlier attempt points to a dead store (its
+workers were stopped before this attempt's rendezvous), or, if the port was taken again, to one
+that does not know the nonce: either way the rank reads the entry again until this attempt's rank
+0 has replaced it. Nothing depends on restart counts.
+
+Without the shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as jobs/*.sh set) torchrun
+hands every round a fresh store of rank 0's, and torch's own ``env://`` rendezvous is used.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import secrets
+import socket
+import time
+
+from torch.distributed import TCPStore
+
+from elastic_mnist.env import DistEnv
+
+ENTRY = "elastic_mnist/attempt_store"
+"""Key in the agent's store of the current attempt's store: {"host", "port", "nonce"}."""
+NONCE = "nonce"
+PROBE_TIMEOUT = datetime.timedelta(seconds=2)
+"""How long a rank tries an advertised store before it reads the entry again."""
+JOIN_HANG_WARNING = (
+    "torchrun shares its rendezvous store with the workers (torch 2.14's default): restarts "
+    "are safe, but a node that joins this running job will hang every agent for 60 s and fail "
+    "it; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's environment (as jobs/*.sh do)")
+
+
+def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore | None:
+    """The store for this attempt's process group, or None where torch's ``env://`` is sound."""
+    if not env.uses_agent_store:
+        return None
+    agent = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+    return serve(agent, env, timeout) if env.is_main else find(agent, timeout)
+
+
+def serve(agent: TCPStore, env: DistEnv, timeout: datetime.timedelta) -> TCPStore:
+    """Rank 0: a new store on a free port, published with a nonce it alone knows."""
+    host = socket.getfqdn(socket.gethostname())  # what torchrun advertises for its own stores
+    store = TCPStore(host, 0, env.world_size, is_master=True, timeout=timeout,
+                     wait_for_workers=False)
+    nonce = secrets.token_hex(16)
+    store.set(NONCE, nonce)
+    agent.set(ENTRY, json.dumps({"host": host, "port": store.port, "nonce": nonce}))
+    return store
+
+
+def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
+    """Other ranks: the advertised store, once it proves to be this attempt's."""
+    deadline = time.monotonic() + timeout.total_seconds()
+    while time.monotonic() < deadline:
+        entry = json.loads(agent.get(ENTRY))  # waits until some attempt has published one
+        try:
+            store = TCPStore(entry["host"], entry["port"], is_master=False,
+                             timeout=PROBE_TIMEOUT)
+            if store.get(NONCE).decode() == entry["nonce"]:
+                store.set_timeout(timeout)
+                return store
+        except RuntimeError:  # DistNetworkError, DistStoreError: dead, or not this attempt's
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"rank 0 published no live store within {timeout.total_seconds():.0f} s")
