@@ -41,10 +41,13 @@ the final evaluation are outside every figure. The contenders:
               ``torchrun --standalone`` (torch's defaults, jobs/local.sh's line)
   real        5 epochs of the default flags on the real 8,000/2,000 split (``--real-data``): wall
               time, training time and test accuracy
+  startup     one worker process from exec to its first completed step (its audit record),
+              beside a bare ``import torch`` and ``import torch._dynamo`` after it, which torch's
+              optimizers and DDP import: the rest is ours
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
 
-CPU runs paired, worker, seed, checkpoint, both recoveries and real (ddp and floor in processes
+CPU runs paired, worker, seed, checkpoint, both recoveries, real and startup (ddp and floor in processes
 of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast and real
 (``--only`` picks others). Without ``--data-dir`` the throughput contenders train on 60,000
 synthetic digits generated once into bench/data (MNIST cannot be downloaded everywhere);
@@ -690,6 +693,27 @@ def measure_real(b: Bench) -> dict[str, float]:
             "real_accuracy_pct": 100 * finish["test_accuracy"]}
 
 
+def measure_startup(b: Bench) -> dict[str, float]:
+    """Seconds from exec to the first completed step of one worker process, beside the time a
+    bare ``import torch`` takes, and ``import torch._dynamo`` after it, in the same repetition."""
+    def wall(code: str) -> float:
+        return run([sys.executable, "-c", code], b.scratch("import") / "log.txt", b.env,
+                   b.sizes.timeout_s).wall_s
+
+    work = b.scratch("startup")
+    began = time.time()
+    run([sys.executable, "-m", "elastic_mnist", "train",
+         *b.train_args(work, *b.steps_flags(BATCH, 1, 1), "--audit-samples")],
+        work / "log.txt", b.env, b.sizes.timeout_s)
+    audit = work / "runs" / "bench" / "audit" / "g0-r0.jsonl"
+    first_step = json.loads(audit.read_text().splitlines()[0])["time"] - began
+    torch_s = wall("import torch")
+    dynamo_s = wall("import torch, torch._dynamo") - torch_s
+    return {"startup_first_step_s": first_step, "startup_import_torch_s": torch_s,
+            "startup_import_dynamo_s": dynamo_s,
+            "startup_ours_s": first_step - torch_s - dynamo_s}
+
+
 def measure_fast(b: Bench) -> dict[str, float]:
     """The GPU fast path at a batch that fills the GPU; its epoch time and start-up."""
     began = time.time()
@@ -710,9 +734,10 @@ CONTENDERS: dict[str, Callable[[Bench], dict[str, float]]] = {
     "ddp": measure_ddp,
     "recovery_shipped": measure_recovery_shipped, "recovery_defaults": measure_recovery_defaults,
     "real": measure_real, "fast": measure_fast, "fast_floor": measure_fast_floor,
+    "startup": measure_startup,
 }
 CPU_SET = ["paired", "worker", "seed", "checkpoint", "recovery_shipped",
-           "recovery_defaults", "real"]
+           "recovery_defaults", "real", "startup"]
 GPU_SET = ["seed", "defaults", "fast", "real"]
 """On a GPU the tuned flags compile, which takes time: they run once, at the fast path's batch."""
 
@@ -845,6 +870,11 @@ ROWS = [
     Row("real_wall_s", "Real digits, {epochs} epochs: wall time of the command", "s"),
     Row("real_train_s", "Real digits, {epochs} epochs: training loop, evaluations included",
         "s"),
+    Row("startup_first_step_s", "Start-up: exec to the first completed step, one worker", "s"),
+    Row("startup_import_torch_s", "… a bare `import torch`, beside it", "s"),
+    Row("startup_import_dynamo_s", "… `torch._dynamo`, which torch's optimizers and DDP import",
+        "s"),
+    Row("startup_ours_s", "… the rest: our imports, data, model, first step", "s"),
     Row("worker_peak_rss_mb", "Peak resident memory, one worker", "MB", ("≤", 1500.0)),
     Row("seed_peak_rss_mb", "Peak resident memory, seed loop", "MB"),
 ]

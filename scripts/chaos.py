@@ -2,11 +2,14 @@
 """Chaos harness: simulated nodes on loopback, real faults, and a verdict.
 
     scripts/chaos.py [--nodes 3] [--faults 5] [--seed 0] [--schedule 120:kill-node:0,...]
+                     [--nproc-per-node 1] [--launch node.sh|torchrun] [--store external|agent]
 
-Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh`` (one worker
-each), meeting at a rendezvous store served by ``elastic-mnist rendezvous`` (or, with
-``--store agent``, by the first node's agent), training on small synthetic digits with
-``--audit-samples``. At chosen optimizer steps it injects faults:
+Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh`` (or, with
+``--launch torchrun``, the README's plain torchrun line, with the rendezvous timing node.sh
+uses, in the environment chaos itself was given) with NPROC_PER_NODE workers each, meeting at a
+rendezvous store served by ``elastic-mnist rendezvous`` (or, with ``--store agent``, by the first
+node's agent), training on small synthetic digits with ``--audit-samples``. At chosen optimizer
+steps it injects faults:
 
     kill-node     SIGKILL of a node's whole process tree (agent and workers)
     kill-worker   SIGKILL of one worker; its agent restarts it
@@ -19,8 +22,14 @@ Then it checks, and exits 1 on any failure: the job finished; every completed ep
 sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
 uninterrupted run's; every checkpoint left is valid. It prints, per fault, the time until the old
 workers were gone (the job noticed), until the next worker group started, and until its first
-completed step, and how many steps were redone. Times come from the run's events.jsonl and audit
-records, and from watching the processes.
+completed step, and how many steps were redone, and the seconds from the start of the nodes to
+the job's first completed step. Times come from the run's events.jsonl and audit records, and from
+watching the processes.
+
+The card's shape, 4 nodes of 8 workers, on one machine:
+
+    scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
+        --schedule 10:kill-node:3,30:join --global-batch-size 512 --no-reference
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
-from processes import free_port, kill_tree
+from processes import LAUNCHER_VARS, free_port, kill_tree
 
 from elastic_mnist.events import event_time, read_events
 
@@ -82,9 +91,10 @@ class Cluster:
     """Simulated nodes on this machine, each a `jobs/node.sh` agent in a session of its own."""
 
     def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
-                 env: dict[str, str]):
+                 env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh"):
         self.workdir, self.train_args, self.max_nodes, self.store = (workdir, train_args,
                                                                      max_nodes, store)
+        self.nproc_per_node, self.launch = nproc_per_node, launch
         self.port = free_port()
         self.env = env
         self.nodes: dict[int, subprocess.Popen] = {}
@@ -102,16 +112,36 @@ class Cluster:
     def start_node(self) -> int:
         node = self._next_id
         self._next_id += 1
-        env = {**self.env, "NNODES": f"1:{self.max_nodes}", "NPROC_PER_NODE": "1",
-               "RDZV_ENDPOINT": f"127.0.0.1:{self.port}", "RUN_ID": "chaos",
-               "MAX_RESTARTS": "100", "RDZV_STORE": self.store}
-        if self.store == "agent":
-            env["RDZV_IS_HOST"] = "true" if node == 0 else "false"
+        is_host = self.store == "agent" and node == 0
+        if self.launch == "torchrun":
+            cmd, env = self.torchrun_line(is_host), self.env
+        else:
+            cmd = ["bash", str(REPO / "jobs" / "node.sh"), *self.train_args]
+            env = {**self.env, "NNODES": f"1:{self.max_nodes}",
+                   "NPROC_PER_NODE": str(self.nproc_per_node),
+                   "RDZV_ENDPOINT": f"127.0.0.1:{self.port}", "RUN_ID": "chaos",
+                   "MAX_RESTARTS": "100", "RDZV_STORE": self.store,
+                   "RDZV_IS_HOST": "true" if is_host else "false"}
         log = open(self.workdir / f"node{node}.log", "w")  # noqa: SIM115 - the child's
-        self.nodes[node] = subprocess.Popen(
-            ["bash", str(REPO / "jobs" / "node.sh"), *self.train_args], cwd=self.workdir,
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.nodes[node] = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
+                                            stderr=subprocess.STDOUT, start_new_session=True)
         return node
+
+    def torchrun_line(self, is_host: bool) -> list[str]:
+        """The README's multi-node line, as a user would type it on each node."""
+        timing = {"LAST_CALL_TIMEOUT": "2", "KEEP_ALIVE_INTERVAL": "1",
+                  "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.5"}
+        timing.update({k: v for k, v in self.env.items() if k in timing})  # --rdzv-defaults
+        conf = (f"join_timeout=600,last_call_timeout={timing['LAST_CALL_TIMEOUT']},"
+                f"keep_alive_interval={timing['KEEP_ALIVE_INTERVAL']},"
+                f"keep_alive_max_attempt={timing['KEEP_ALIVE_MAX_ATTEMPT']},"
+                f"is_host={str(is_host).lower()}")
+        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
+                f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=c10d",
+                f"--rdzv_endpoint=127.0.0.1:{self.port}", "--rdzv_id=chaos",
+                f"--rdzv_conf={conf}", "--max_restarts=100",
+                f"--monitor_interval={timing['MONITOR_INTERVAL']}",
+                "-m", "elastic_mnist", "train", *self.train_args]
 
     def alive(self) -> list[int]:
         for node, proc in list(self.nodes.items()):
@@ -245,6 +275,17 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
         time.sleep(0.05)
 
 
+def watch_start(observer: Observer, deadline: float) -> dict:
+    """The job's first completed step: its time and the world size that took it."""
+    while time.time() < deadline:
+        records = observer.audit()
+        if records:
+            first = min(records, key=lambda r: r["time"])
+            return {"time": first["time"], "world_size": first["world_size"]}
+        time.sleep(0.1)
+    raise TimeoutError("the job took no step in time")
+
+
 def run_reference(workdir: Path, train_args: list[str], env: dict[str, str]) -> float:
     """Test accuracy of the same training, uninterrupted, in one process."""
     args = [a.replace(str(workdir / "shared"), str(workdir / "reference")) for a in train_args]
@@ -291,6 +332,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="allowed accuracy difference to the uninterrupted run (0.02)")
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="skip the uninterrupted run and the accuracy check (smoke runs)")
+    parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (1)")
+    parser.add_argument("--launch", choices=("node.sh", "torchrun"), default="node.sh",
+                        help="each node's agent: jobs/node.sh, or the README's plain torchrun "
+                             "line in this environment (TORCH_DISABLE_SHARE_RDZV_TCP_STORE "
+                             "included, if set) (node.sh)")
+    parser.add_argument("--global-batch-size", type=int, default=64,
+                        help="samples per step; the data has 20 steps per epoch (64)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data, checkpoints and logs go (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
@@ -305,16 +353,18 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(args.seed)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
+           "OMP_NUM_THREADS": "1",
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            **(TORCHRUN_DEFAULTS if args.rdzv_defaults else {})}
     data = workdir / "data"
+    num_train = 20 * args.global_batch_size
     subprocess.run([sys.executable, "-m", "elastic_mnist", "synth", "--out", str(data),
-                    "--train", "1280", "--test", "512", "--seed", str(args.seed)], env=env,
-                   check=True, stdout=subprocess.DEVNULL)
+                    "--train", str(num_train), "--test", "512", "--seed", str(args.seed)],
+                   env=env, check=True, stdout=subprocess.DEVNULL)
     shared = workdir / "shared"
-    train_args = ["--dataset", "synthetic", "--data-dir", str(data), "--global-batch-size", "64",
-                  "--micro-batch-size", "16", "--epochs", "1000", "--max-steps", str(args.steps),
+    train_args = ["--dataset", "synthetic", "--data-dir", str(data), "--global-batch-size",
+                  str(args.global_batch_size), "--micro-batch-size", "16", "--epochs", "1000", "--max-steps", str(args.steps),
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
                   "--run-id", "chaos", "--checkpoint-every", "10", "--log-every", "10",
                   "--audit-samples"]
@@ -326,14 +376,19 @@ def main(argv: list[str] | None = None) -> int:
 
     reference_accuracy = (run_reference(workdir, ["train", *train_args], env)
                           if args.reference else None)
-    cluster = Cluster(workdir, train_args, args.nodes, args.store, env)
+    cluster = Cluster(workdir, train_args, args.nodes, args.store, env, args.nproc_per_node,
+                      args.launch)
     observer = Observer(shared / "runs" / "chaos")
     failures: list[str] = []
     deadline = time.time() + args.timeout
+    started, first_step = time.time(), None
     try:
         cluster.start_store()
         for _ in range(args.start_nodes):
             cluster.start_node()
+        first_step = watch_start(observer, deadline)
+        print(f"chaos: first step at world size {first_step['world_size']} "
+              f"{first_step['time'] - started:.1f} s after the nodes started")
         for fault in faults:
             while observer.step() < fault.step and not observer.finished():
                 if time.time() > deadline:
@@ -363,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
     if not observer.finished():
         failures.append("the job did not finish")
     audit = subprocess.run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
-                            str(observer.run_dir), "--num-samples", "1280"],
+                            str(observer.run_dir), "--num-samples", str(num_train)],
                            capture_output=True, text=True, env=env, check=False)
     if audit.returncode != 0:
         failures.append(f"sample audit: {audit.stdout.strip() or audit.stderr.strip()}")
@@ -389,6 +444,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,
+            "launch": args.launch, "nproc_per_node": args.nproc_per_node,
+            "first_step_s": first_step["time"] - started if first_step else None,
+            "first_step_world_size": first_step["world_size"] if first_step else None,
             "faults": [{"kind": f.kind, "node": f.node, "step": f.step,
                         **{name: None if t is None else t - f.at
                            for name, t in (("noticed_s", f.noticed), ("restarted_s", f.restarted),

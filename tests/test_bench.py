@@ -34,18 +34,24 @@ def test_every_cpu_contender_writes_its_figures(tiny_digits, tmp_path):
     # by its launch line only (checked below); floor and ddp, on request only, are what paired
     # measures in one process.
     results = bench_run(tmp_path, tiny_digits, "seed", "worker", "checkpoint", "paired",
-                        "recovery_shipped")
+                        "recovery_shipped", "startup")
     assert results["device"] == "cpu" and results["threads"]["per_process"] == 1
     assert results["data"]["kind"] == "synthetic" and not results["errors"]
     figures = results["figures"]
     for name in ("seed_samples_per_s", "worker_samples_per_s", "ckpt_cost_ms",
                  "ckpt_blocking_ms", "worker_peak_rss_mb", "worker_vs_seed", "ckpt_overhead_pct",
                  "paired_floor_samples_per_s", "paired_worker_vs_floor_pct",
-                 "paired_ddp_overhead_pct"):
+                 "paired_ddp_overhead_pct", "startup_first_step_s", "startup_import_torch_s",
+                 "startup_import_dynamo_s", "startup_ours_s"):
         figure = figures[name]
         assert figure["min"] <= figure["median"] <= figure["max"], name
         assert len(figure["runs"]) == 1
     assert figures["worker_samples_per_s"]["median"] > 0
+    startup = {name: figures[f"startup_{name}"]["median"]
+               for name in ("first_step_s", "import_torch_s", "import_dynamo_s", "ours_s")}
+    assert 0 < startup["import_torch_s"] < startup["first_step_s"], startup
+    assert startup["ours_s"] == pytest.approx(startup["first_step_s"] - startup["import_torch_s"]
+                                              - startup["import_dynamo_s"])
     took = figures["recovery_shipped_s"]["median"]
     assert 0 < figures["recovery_shipped_start_s"]["median"] <= took < 120
     assert set(results["targets"]) >= {"worker_vs_seed", "paired_worker_vs_floor_pct",

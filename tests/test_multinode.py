@@ -47,3 +47,16 @@ def test_a_port_in_use_for_the_store_is_a_clear_error():
     assert done.returncode == 2
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("elastic-mnist rendezvous: error:") and str(port) in line
+
+
+def test_plain_torchrun_loses_the_node_that_does_not_serve_the_store(tmp_path, monkeypatch):
+    """The README's multi-node line without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the agents share
+    their store with the workers, the survivor's workers restart on a fresh store of their own."""
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "agent", "--launch",
+                         "torchrun", "--nproc-per-node", "2", "--steps", "120", "--schedule",
+                         "30:kill-node:1",
+                         "--no-reference", "--workdir", str(tmp_path)])
+    assert status == 0  # finished; every sample once per epoch; valid checkpoints
+    assert [s["world_size"] for s in starts(tmp_path)] == [4, 2]
+    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (tmp_path / "node0.log").read_text()
