@@ -12,7 +12,7 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard chaos lint clean bench
+.PHONY: install train test test-fast tensorboard chaos chaos32 lint clean bench
 
 install: $(STAMP)
 
@@ -37,6 +37,14 @@ tensorboard: $(STAMP)
 # Simulated nodes on loopback, random faults (CHAOS_ARGS="--seed 3 --faults 8" for others).
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
+
+# The card's shape on this machine: 4 nodes of 8 workers, a node killed and one joining (about
+# 6 minutes on 2 cores). The README's plain torchrun line instead of jobs/node.sh, as it is run:
+# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 make chaos32 CHAOS_ARGS="--launch torchrun".
+chaos32: $(STAMP)
+	$(BIN)/python scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
+		--schedule 10:kill-node:3,40:join --global-batch-size 512 --steps 300 --no-reference \
+		$(CHAOS_ARGS)
 
 # make bench: every contender on this machine (scripts/bench.py), then the README's table
 # (BENCH_ARGS="--real-data DIR" adds the real digits' rows).

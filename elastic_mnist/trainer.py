@@ -94,7 +94,9 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
 
 
 class AuditLog:
-    """``--audit-samples``: one JSON line per step with the sample indices this rank used."""
+    """``--audit-samples``: one JSON line per step with the sample indices this rank used,
+    written as the rank reaches the step's last collective (scripts/check_audit.py takes, for each
+    step, the newest generation's records, so a step cut short and redone counts once)."""
 
     def __init__(self, path: Path | None):
         self.file = None
@@ -301,6 +303,10 @@ class Trainer:
         if self.ddp is None and self.env.world_size > 1:
             self._all_reduce_gradients()
 
+        # Recorded before the step's last collective: once any rank has finished the step (and
+        # may checkpoint it), every rank's record is written, even if its node dies right after.
+        self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
+                          self.env.world_size, mine if counts else [])
         # One collective for the step's scalars: loss, accuracy, stop flag, BatchNorm statistics.
         flag = torch.full((1,), float(stop_requested), dtype=torch.float64, device=self.device)
         packed = torch.cat([loss_sum.view(1), correct.view(1), flag,
@@ -309,8 +315,6 @@ class Trainer:
         self.bn_stats.apply(packed[3:])
         self.optimizer.step()
 
-        self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
-                          self.env.world_size, mine if counts else [])
         loss_total, correct_total, stops = packed[:3].tolist()
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
                           samples=len(batch), stop_requested=stops > 0,

@@ -245,14 +245,19 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     return True
 
 
+def is_running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
     """Times the job's answer to a fault: old workers gone, new group started, first new step."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         now = time.time()
-        if fault.noticed is None and not any(psutil.pid_exists(p) and
-                                             psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                             for p in fault.old_workers):
+        if fault.noticed is None and not any(map(is_running, fault.old_workers)):
             fault.noticed = now
         starts = [e for e in observer.events()
                   if e["event"] == "start" and event_time(e) > fault.at]
