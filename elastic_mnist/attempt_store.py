@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import logging
 import secrets
 import socket
 import time
@@ -30,6 +31,8 @@ import time
 from torch.distributed import TCPStore
 
 from elastic_mnist.env import DistEnv
+
+log = logging.getLogger(__name__)
 
 ENTRY = "elastic_mnist/attempt_store"
 """Key in the agent's store of the current attempt's store: {"host", "port", "nonce"}."""
@@ -43,9 +46,14 @@ JOIN_HANG_WARNING = (
 
 
 def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore | None:
-    """The store for this attempt's process group, or None where torch's ``env://`` is sound."""
+    """The store for this attempt's process group, or None where torch's ``env://`` is sound.
+
+    Under the shared store rank 0 also says, once per launch, what no worker can mend.
+    """
     if not env.uses_agent_store:
         return None
+    if env.is_main and env.restart_count == 0:
+        log.warning("%s", JOIN_HANG_WARNING)
     agent = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     return serve(agent, env, timeout) if env.is_main else find(agent, timeout)
 

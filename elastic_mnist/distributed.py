@@ -13,7 +13,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
-from elastic_mnist.attempt_store import JOIN_HANG_WARNING, attempt_store
+from elastic_mnist.attempt_store import attempt_store
 from elastic_mnist.env import DistEnv, EnvError
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,6 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Itera
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
-    if env.uses_agent_store and env.is_main and env.restart_count == 0:
-        log.warning("%s", JOIN_HANG_WARNING)
     store = attempt_store(env, timeout)
     dist.init_process_group(
         backend=backend_for(device),

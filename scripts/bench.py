@@ -693,13 +693,19 @@ def measure_real(b: Bench) -> dict[str, float]:
             "real_accuracy_pct": 100 * finish["test_accuracy"]}
 
 
-def measure_startup(b: Bench) -> dict[str, float]:
-    """Seconds from exec to the first completed step of one worker process, beside the time a
-    bare ``import torch`` takes, and ``import torch._dynamo`` after it, in the same repetition."""
-    def wall(code: str) -> float:
-        return run([sys.executable, "-c", code], b.scratch("import") / "log.txt", b.env,
-                   b.sizes.timeout_s).wall_s
+IMPORT_PROBE = """
+import json, sys, time
+import torch
+imported = time.time()
+import torch._dynamo
+print(json.dumps({"torch": imported - float(sys.argv[1]), "dynamo": time.time() - imported}))
+"""
 
+
+def measure_startup(b: Bench) -> dict[str, float]:
+    """Seconds from exec to the first completed step of one worker process, beside the seconds
+    from exec to a bare ``import torch`` done and to ``import torch._dynamo`` after it, which
+    torch's optimizers and DDP import, in another process of the same repetition."""
     work = b.scratch("startup")
     began = time.time()
     run([sys.executable, "-m", "elastic_mnist", "train",
@@ -707,11 +713,13 @@ def measure_startup(b: Bench) -> dict[str, float]:
         work / "log.txt", b.env, b.sizes.timeout_s)
     audit = work / "runs" / "bench" / "audit" / "g0-r0.jsonl"
     first_step = json.loads(audit.read_text().splitlines()[0])["time"] - began
-    torch_s = wall("import torch")
-    dynamo_s = wall("import torch, torch._dynamo") - torch_s
-    return {"startup_first_step_s": first_step, "startup_import_torch_s": torch_s,
-            "startup_import_dynamo_s": dynamo_s,
-            "startup_ours_s": first_step - torch_s - dynamo_s}
+    probe = b.scratch("import")
+    run([sys.executable, "-c", IMPORT_PROBE, repr(time.time())], probe / "log.txt", b.env,
+        b.sizes.timeout_s)
+    imports = json.loads((probe / "log.txt").read_text().splitlines()[-1])
+    return {"startup_first_step_s": first_step, "startup_import_torch_s": imports["torch"],
+            "startup_import_dynamo_s": imports["dynamo"],
+            "startup_ours_s": first_step - imports["torch"] - imports["dynamo"]}
 
 
 def measure_fast(b: Bench) -> dict[str, float]:

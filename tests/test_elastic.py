@@ -17,6 +17,7 @@ from elastic_mnist.data.datasets import load
 
 pytestmark = pytest.mark.slow
 
+
 def test_random_sigkills_resume_bitwise_identical(killed_run, reference_run):
     """Plain torchrun, whose agent shares its store with the workers: restarts work (they failed
     in 4 of 6 tries before the workers built their group on a store of their own)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from elastic_mnist.data.fingerprint import fingerprint
+from elastic_mnist.data.fingerprint import SHORT, fingerprint
 from elastic_mnist.data.idx import (
     IMAGES_MAGIC,
     LABELS_MAGIC,
@@ -86,7 +86,7 @@ class Dataset:
 
     def describe(self) -> str:
         return (f"{self.kind} digits from {self.root} ({len(self.train)} train, "
-                f"{len(self.test)} test, fingerprint {self.fingerprint[:12]})")
+                f"{len(self.test)} test, fingerprint {self.fingerprint[:SHORT]})")
 
 
 def raw_dir(root: Path) -> Path:

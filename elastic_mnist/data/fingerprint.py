@@ -1,6 +1,6 @@
 """The fingerprint of the digits a job trains on, computed once per data folder and cached there.
 
-The fingerprint is the sha256 of a split's IDX files in a fixed order: their payloads are exactly
+The fingerprint is the sha256 of both splits' IDX files in a fixed order: their payloads are exactly
 the uint8 image and label tensors, their headers the shapes. It is kept in ``FINGERPRINT.json``
 beside the files, keyed by each file's size, modification time and inode, so that a start reads
 it instead of hashing some 50 MB again, and a file written anew is hashed anew.
