@@ -444,7 +444,8 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig
     if (data["kind"], data["num_train"]) != (dataset.kind, len(dataset.train)):
         raise CheckpointError(f"{source} was trained on {data['num_train']} {data['kind']} "
                               f"samples, this run has {len(dataset.train)} {dataset.kind}")
-    if data.get("fingerprint", dataset.fingerprint) != dataset.fingerprint:  # older checkpoints lack it
+    # Checkpoints written before fingerprints existed lack one: nothing to compare.
+    if data.get("fingerprint", dataset.fingerprint) != dataset.fingerprint:
         raise CheckpointError(f"{source} was trained on other digits (fingerprint "
                               f"{data['fingerprint'][:SHORT]}, this run's data "
                               f"{dataset.fingerprint[:SHORT]} in {dataset.root}); use the same "

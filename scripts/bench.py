@@ -47,9 +47,9 @@ the final evaluation are outside every figure. The contenders:
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
 
-CPU runs paired, worker, seed, checkpoint, both recoveries, real and startup (ddp and floor in processes
-of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast and real
-(``--only`` picks others). Without ``--data-dir`` the throughput contenders train on 60,000
+CPU runs paired, worker, seed, checkpoint, both recoveries, real and startup (ddp and floor in
+processes of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast
+and real (``--only`` picks others). Without ``--data-dir`` the throughput contenders train on 60,000
 synthetic digits generated once into bench/data (MNIST cannot be downloaded everywhere);
 results.json says which data was used.
 """

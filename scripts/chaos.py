@@ -26,10 +26,7 @@ completed step, and how many steps were redone, and the seconds from the start o
 the job's first completed step. Times come from the run's events.jsonl and audit records, and from
 watching the processes.
 
-The card's shape, 4 nodes of 8 workers, on one machine:
-
-    scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
-        --schedule 10:kill-node:3,30:join --global-batch-size 512 --no-reference
+The card's shape, 4 nodes of 8 workers on one machine, is ``make chaos32`` (see the Makefile).
 """
 
 from __future__ import annotations
@@ -57,6 +54,9 @@ REQUEUE_DELAY_S = 3.0
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
                      "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.1"}
+# jobs/node.sh's own defaults of the same variables, for --launch torchrun.
+NODE_SH_TIMING = {"LAST_CALL_TIMEOUT": "2", "KEEP_ALIVE_INTERVAL": "1",
+                  "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.5"}
 
 
 @dataclass
@@ -88,7 +88,8 @@ def worker_pids(pid: int) -> list[int]:
 
 
 class Cluster:
-    """Simulated nodes on this machine, each a `jobs/node.sh` agent in a session of its own."""
+    """Simulated nodes on this machine, each a torchrun agent (through `jobs/node.sh`, or the
+    README's plain line) in a session of its own."""
 
     def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
                  env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh"):
@@ -129,9 +130,7 @@ class Cluster:
 
     def torchrun_line(self, is_host: bool) -> list[str]:
         """The README's multi-node line, as a user would type it on each node."""
-        timing = {"LAST_CALL_TIMEOUT": "2", "KEEP_ALIVE_INTERVAL": "1",
-                  "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.5"}
-        timing.update({k: v for k, v in self.env.items() if k in timing})  # --rdzv-defaults
+        timing = {k: self.env.get(k, v) for k, v in NODE_SH_TIMING.items()}  # --rdzv-defaults
         conf = (f"join_timeout=600,last_call_timeout={timing['LAST_CALL_TIMEOUT']},"
                 f"keep_alive_interval={timing['KEEP_ALIVE_INTERVAL']},"
                 f"keep_alive_max_attempt={timing['KEEP_ALIVE_MAX_ATTEMPT']},"
@@ -369,7 +368,8 @@ def main(argv: list[str] | None = None) -> int:
                    env=env, check=True, stdout=subprocess.DEVNULL)
     shared = workdir / "shared"
     train_args = ["--dataset", "synthetic", "--data-dir", str(data), "--global-batch-size",
-                  str(args.global_batch_size), "--micro-batch-size", "16", "--epochs", "1000", "--max-steps", str(args.steps),
+                  str(args.global_batch_size), "--micro-batch-size", "16", "--epochs", "1000",
+                  "--max-steps", str(args.steps),
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
                   "--run-id", "chaos", "--checkpoint-every", "10", "--log-every", "10",
                   "--audit-samples"]

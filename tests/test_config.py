@@ -96,5 +96,6 @@ def test_the_micro_batch_follows_the_global_batch_unless_given(global_batch, mic
 def test_a_non_finite_float_flag_is_one_line_and_exit_2(tmp_path):
     done = run(cli_cmd("train", "--lr", "inf", "--max-steps", "2"), cwd=tmp_path)
     assert done.returncode == 2, done.stdout
-    assert done.stdout.strip() == "elastic-mnist train: error: --lr must be a finite number, got inf"
+    expected = "elastic-mnist train: error: --lr must be a finite number, got inf"
+    assert done.stdout.strip() == expected
     assert not list(tmp_path.iterdir())  # nothing trained, nothing written
