@@ -74,6 +74,9 @@ def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
         entry = json.loads(agent.get(ENTRY))  # waits until some attempt has published one
+        if not listening(entry["host"], entry["port"]):  # a dead attempt's: c10d would log it
+            time.sleep(0.05)
+            continue
         try:
             store = TCPStore(entry["host"], entry["port"], is_master=False,
                              timeout=PROBE_TIMEOUT)
@@ -84,3 +87,12 @@ def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
             pass
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 published no live store within {timeout.total_seconds():.0f} s")
+
+
+def listening(host: str, port: int) -> bool:
+    """Whether anything accepts connections at host:port (refused at once when nothing does)."""
+    try:
+        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT.total_seconds()):
+            return True
+    except OSError:
+        return False

@@ -91,3 +91,12 @@ class GlobalBatchNormStats:
             layer.running_var.copy_(updated[c:])
             # One per optimizer step, however many forward passes this rank made.
             layer.num_batches_tracked.copy_(tracked + 1)
+
+    @torch.no_grad()
+    def restore(self) -> None:
+        """Puts back the statistics set aside at the step's start: for a step that is skipped."""
+        for layer, (saved, tracked) in zip(self.layers, self._saved):
+            c = layer.num_features
+            layer.running_mean.copy_(saved[:c])
+            layer.running_var.copy_(saved[c:])
+            layer.num_batches_tracked.copy_(tracked)

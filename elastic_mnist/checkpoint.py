@@ -14,6 +14,7 @@ from its manifest's is skipped with a warning, and the one before it is used.
 from __future__ import annotations
 
 import datetime
+import errno
 import hashlib
 import io
 import json
@@ -40,6 +41,10 @@ RUN_FILE = "run.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that must not be loaded: unsafe, or from another model or config."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """The checkpoint folder cannot take a checkpoint: full, read-only, or not permitted."""
 
 
 class InvalidCheckpoint(Exception):
@@ -101,11 +106,64 @@ def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_genera
         saved_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds"),
         data_fingerprint=payload["data"].get("fingerprint", ""),
     )
-    atomic_write_bytes(directory / manifest.file, data)
-    atomic_write_bytes(directory / f"{name}.json", json.dumps(asdict(manifest), indent=2).encode())
-    atomic_write_bytes(directory / POINTER, f"{name}\n".encode())
+    written: list[Path] = []
+    try:
+        for path, content in ((directory / manifest.file, data),
+                              (directory / f"{name}.json",
+                               json.dumps(asdict(manifest), indent=2).encode()),
+                              (directory / POINTER, f"{name}\n".encode())):
+            atomic_write_bytes(path, content)
+            written.append(path)
+    except BaseException:
+        # Not committed until the pointer moved: take the new files back, so that what is left
+        # is the previous checkpoint, named by the pointer (a full disk must not cost space).
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
     prune(directory, keep_last)
     return manifest
+
+
+def nonfinite_entries(payload: dict[str, Any]) -> list[str]:
+    """Names of the model's and optimizer's tensors that hold NaN or infinity."""
+    found = []
+    for section in ("model", "optimizer"):
+        stack: list[tuple[str, Any]] = [(section, payload[section])]
+        while stack:
+            name, value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend((f"{name}.{key}", item) for key, item in value.items())
+            elif isinstance(value, (list, tuple)):
+                stack.extend((f"{name}.{i}", item) for i, item in enumerate(value))
+            elif (isinstance(value, torch.Tensor) and value.is_floating_point()
+                  and not bool(torch.isfinite(value).all())):
+                found.append(name)
+    return sorted(found)
+
+
+def check_writable(directory: Path) -> None:
+    """Creates ``directory`` and writes a file into it; CheckpointWriteError, in one line, if
+    either fails: found at start-up, not at the first save."""
+    directory = Path(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        probe = directory / ".write-probe"
+        atomic_write_bytes(probe, b"")
+        probe.unlink()
+    except OSError as e:
+        raise CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
+                                   f"{e.strerror or e}") from None
+
+
+def describe_write_failure(directory: Path, step: int, error: OSError) -> str:
+    """What a failed save means for the user: which folder, why, and what is safe on disk."""
+    last = newest_committed_step(directory)
+    kept = (f"the last good checkpoint is step {last} ({checkpoint_name(last)}.pt, named by "
+            f"{POINTER})" if last else "no checkpoint had been committed yet")
+    reason = error.strerror or str(error)
+    state = "is full" if error.errno in (errno.ENOSPC, errno.EDQUOT) else "cannot be written"
+    return (f"checkpoint folder {directory} {state} ({reason}) saving step {step}; {kept}; "
+            f"nothing half-written was left")
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -217,6 +275,7 @@ class NullCheckpointer:
 
     last_blocking_ms = 0.0
     last_manifest: Manifest | None = None
+    failed = False
 
     def maybe_save(self, state_fn, step: int, *, epoch_end: bool = False,
                    final: bool = False) -> bool:
@@ -239,8 +298,11 @@ class Checkpointer(NullCheckpointer):
     previous write); a writer thread serialises, hashes and commits it.
     """
 
-    def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int):
+    def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int,
+                 before_write: Callable[[int], None] = lambda step: None):
         self.directory = Path(directory)
+        self.before_write = before_write
+        """Called in the writer thread before each write, with its step (fault injection)."""
         self.every = every
         self.keep_last = keep_last
         self.restart_generation = restart_generation
@@ -268,9 +330,15 @@ class Checkpointer(NullCheckpointer):
         """Saves the state returned by ``state_fn()`` if the policy says so; True if it did."""
         if not self.should_save(step, epoch_end=epoch_end, final=final):
             return False
+        if self.failed and not final:  # said by the step's collective; saving more cannot help
+            return False
         start = time.perf_counter()
         self.wait()
         payload = snapshot(state_fn())
+        bad = nonfinite_entries(payload)
+        if bad:
+            raise CheckpointError(f"refusing to save step {step}: {', '.join(bad[:3])} hold "
+                                  f"non-finite values")
         self.last_blocking_ms = (time.perf_counter() - start) * 1e3
         self._idle.clear()
         self._jobs.put((payload, self.last_blocking_ms))
@@ -278,6 +346,11 @@ class Checkpointer(NullCheckpointer):
         if final:
             self.wait()
         return True
+
+    @property
+    def failed(self) -> bool:
+        """A write failed (the error waits for ``wait``); no checkpoint is saved after it."""
+        return self._error is not None
 
     def wait(self) -> None:
         """Blocks until the pending write is committed; re-raises a failure of the writer."""
@@ -294,13 +367,17 @@ class Checkpointer(NullCheckpointer):
     def _write_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
             payload, blocking_ms = job
+            step = payload["progress"]["step"]
             try:
+                self.before_write(step)
                 self.last_manifest = write_checkpoint(
                     self.directory, payload, restart_generation=self.restart_generation,
                     keep_last=self.keep_last)
                 log.info("checkpoint %s committed (%d bytes, %.1f ms blocking)",
                          self.last_manifest.file, self.last_manifest.bytes, blocking_ms)
                 self.on_commit(self.last_manifest, blocking_ms)
+            except OSError as e:  # a full or read-only disk: expected, said in one line
+                self._error = CheckpointWriteError(describe_write_failure(self.directory, step, e))
             except BaseException as e:  # noqa: BLE001 - handed to the training thread
                 self._error = e
             finally:

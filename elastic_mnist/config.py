@@ -104,6 +104,12 @@ class RunConfig:
     """Log training scalars every N optimizer steps."""
     pg_timeout: float = 120.0
     """Seconds a collective may wait for a peer before the job fails (instead of hanging)."""
+    hang_timeout: float = 10.0
+    """Least seconds without a completed step before a rank counts as hung and the group is
+    restarted; the deadline grows to 10x the slowest recent step (0: no watchdog)."""
+    max_nonfinite_steps: int = 3
+    """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
+    (each is skipped: no update)."""
     audit_samples: bool = False
     """Every rank appends the sample indices of each step to <run dir>/audit/g<G>-r<R>.jsonl."""
 
@@ -131,10 +137,12 @@ class TrainConfig:
         _positive("--log-every", self.run.log_every)
         _positive("--keep-last", self.checkpoint.keep_last)
         _positive("--pg-timeout", self.run.pg_timeout)
+        _positive("--max-nonfinite-steps", self.run.max_nonfinite_steps)
         _positive("--lr", o.lr)
         for flag, value in (("--max-steps", o.max_steps), ("--warmup-steps", o.warmup_steps),
                             ("--checkpoint-every", self.checkpoint.checkpoint_every),
-                            ("--weight-decay", o.weight_decay)):
+                            ("--weight-decay", o.weight_decay),
+                            ("--hang-timeout", self.run.hang_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must not be negative, got {value}")
         if o.micro_batch_size > o.global_batch_size:

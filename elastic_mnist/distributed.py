@@ -37,10 +37,15 @@ def backend_for(device: torch.device) -> str:
 
 
 @contextlib.contextmanager
-def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Iterator[None]:
-    """Joins the job's process group for the duration of the block, and always leaves it."""
+def process_group(env: DistEnv, device: torch.device,
+                  timeout_s: float) -> Iterator[dist.Store | None]:
+    """Joins the job's process group for the duration of the block, and always leaves it.
+
+    Yields a connection of its own to the group's store (None in a single process), for threads
+    that talk beside the training loop's collectives.
+    """
     if not env.is_distributed:
-        yield
+        yield None
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -54,7 +59,8 @@ def process_group(env: DistEnv, device: torch.device, timeout_s: float) -> Itera
                                      "world_size": env.world_size}),
     )
     try:
-        yield
+        yield (store.clone() if store is not None else
+               dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout))
     finally:
         dist.destroy_process_group()
 

@@ -16,8 +16,10 @@ import torch.distributed as dist
 from elastic_mnist import distributed
 from elastic_mnist.checkpoint import (
     Checkpointer,
+    CheckpointWriteError,
     Manifest,
     NullCheckpointer,
+    check_writable,
     deserialize,
     newest_valid,
     read_run_file,
@@ -35,20 +37,28 @@ from elastic_mnist.data.datasets import (
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import EventLog
+from elastic_mnist.faults import Faults
 from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
 from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
 from elastic_mnist.progress import progress_display
 from elastic_mnist.trainer import AuditLog, Trainer
+from elastic_mnist.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 
 HPARAM_METRICS = ["test/accuracy", "test/loss", "train/loss"]
 
 
-def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
-    """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED)."""
+def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
+                 store: dist.Store | None = None) -> int:
+    """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED).
+
+    ``store`` (the process group's, None in a single process) carries the watchdog's heartbeats.
+    """
     checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
+    faults = Faults.from_environ(env.rank, env.restart_count)
+    check_checkpoint_folder(checkpoint_dir, env, device)
     run_id, generation = resolve_run_identity(cfg, env, device)
     run_dir = Path(cfg.run.logdir) / run_id
     if env.is_main:
@@ -64,11 +74,13 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
     audit_path = run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
     checkpointer = (Checkpointer(checkpoint_dir, every=cfg.checkpoint.checkpoint_every,
                                  keep_last=cfg.checkpoint.keep_last,
-                                 restart_generation=generation)
+                                 restart_generation=generation,
+                                 before_write=faults.maybe_fill_disk)
                     if env.is_main else NullCheckpointer())
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
                       checkpointer=checkpointer,
                       audit=AuditLog(audit_path if cfg.run.audit_samples else None))
+    trainer.faults = faults
     resume = find_resume_payload(checkpoint_dir, env, device)
     if resume is not None:
         payload, source = resume
@@ -93,11 +105,21 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device) -> int:
         trainer.events.emit("resize", step, old_world_size=payload["world_size"],
                             new_world_size=env.world_size)
 
+    if store is not None and cfg.run.hang_timeout > 0:
+        trainer.watchdog = Watchdog(env, store, cfg.run.hang_timeout,
+                                    report=partial(record_hang, trainer, run_dir))
     try:
+        trainer.watchdog.start()
         with stop_on_signals() as stop:
-            outcome = trainer.fit(stop)
+            try:
+                outcome = trainer.fit(stop)
+            except RuntimeError:  # a collective failed: quietly, if a peer declared a hang
+                trainer.watchdog.absorb()
+                raise
+        trainer.watchdog.close()
         checkpointer.wait()
     finally:
+        trainer.watchdog.close()
         checkpointer.close()
         trainer.display.close()
         trainer.metrics.close()
@@ -123,6 +145,31 @@ def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) 
     trainer.events.emit("checkpoint", manifest.step, path=str(trainer.checkpointer.directory /
                                                               manifest.file),
                         blocking_ms=blocking_ms, bytes=manifest.bytes)
+
+
+def record_hang(trainer: Trainer, run_dir: Path, record: dict, rank_zero_hung: bool) -> None:
+    """The ``hang`` event, from the watchdog thread of the rank that declared it: rank 0's log,
+    or, from another rank, the run folder's events.jsonl where this node can see it."""
+    if trainer.env.is_main:
+        trainer.events.emit("hang", record["last_step"], **record)
+    elif run_dir.is_dir():
+        events = EventLog(run_dir / "events.jsonl")
+        events.emit("hang", record["last_step"], **record)
+        events.close()
+
+
+def check_checkpoint_folder(checkpoint_dir: Path, env: DistEnv, device: torch.device) -> None:
+    """Every node's first rank makes sure the checkpoint folder can be written, before any step:
+    a read-only or forbidden folder is said at once, in one line, on every node."""
+    error: CheckpointWriteError | None = None
+    if env.is_local_main:
+        try:
+            check_writable(checkpoint_dir)
+        except CheckpointWriteError as e:
+            error = e
+    if not distributed.all_agree(error is None, device):
+        raise error or CheckpointWriteError("the checkpoint folder cannot be written on another "
+                                            "node; see its log")
 
 
 def resolve_run_identity(cfg: TrainConfig, env: DistEnv, device: torch.device) -> tuple[str, int]:

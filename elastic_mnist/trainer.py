@@ -15,7 +15,7 @@ import math
 import random
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog
+from elastic_mnist.faults import Faults
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model
 from elastic_mnist.preemption import StopRequest
 from elastic_mnist.progress import LogLines
 from elastic_mnist.render import prediction_grid
+from elastic_mnist.watchdog import NullWatchdog
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +58,9 @@ class Progress:
     epoch: int = 0
     cursor: int = 0
     samples_seen: int = 0
+    nonfinite_steps: int = 0
+    """Steps skipped because their loss or gradients were not finite, in the whole run."""
+    nonfinite_in_a_row: int = 0
 
 
 @dataclass
@@ -66,10 +71,35 @@ class StepResult:
     stop_requested: bool
     seconds: float = 0.0
     data_wait_s: float = 0.0
+    nonfinite_ranks: list[int] = field(default_factory=list)
+    """Ranks whose loss or own gradients were NaN or infinite: the step was skipped."""
+    checkpoint_failed: bool = False
+    """Rank 0 could not write a checkpoint: every rank stops."""
 
 
-def sum_allreduce_hook(process_group, bucket):
-    """DDP communication hook that sums gradients (the loss is already divided by the batch).
+class TrainingDiverged(RuntimeError):
+    """Too many steps in a row with non-finite loss or gradients: said in one line."""
+
+
+class PeerStopped(Exception):
+    """Another rank reported why the job stops; this one leaves with the same exit code."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class GradCheck:
+    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite."""
+
+    def __init__(self, device: torch.device):
+        self.group = None  # the default process group
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+
+
+def sum_allreduce_hook(state, bucket):
+    """DDP communication hook that sums gradients (the loss is already divided by the batch),
+    noting first whether this rank's own gradients hold NaN or infinity (without a sync).
 
     A group of one has nothing to sum: its bucket comes back as it is, without a round trip
     through the backend's threads (which costs whole milliseconds on a busy machine).
@@ -77,11 +107,12 @@ def sum_allreduce_hook(process_group, bucket):
     Unannotated on purpose: DDP checks the annotations' runtime values, which postponed
     annotations turn into strings.
     """
-    if dist.get_world_size(process_group) == 1:
+    state.nonfinite |= ~torch.isfinite(bucket.buffer()).all()
+    if dist.get_world_size(state.group) == 1:
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
         return done
-    work = dist.all_reduce(bucket.buffer(), group=process_group, async_op=True)
+    work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
     return work.get_future().then(lambda fut: fut.value()[0])
 
 
@@ -154,6 +185,8 @@ class Trainer:
         self.checkpointer = checkpointer or NullCheckpointer()
         self.audit = audit or AuditLog(None)
         self.events: NullEventLog = NullEventLog()
+        self.watchdog: NullWatchdog = NullWatchdog()
+        self.faults = Faults()
         self.display: LogLines = LogLines()
         self.last_eval: tuple[float, float] | None = None
         o = cfg.optim
@@ -173,6 +206,7 @@ class Trainer:
                                            weight_decay=o.weight_decay,
                                            fused=device.type == "cuda")  # one kernel, not dozens
         self.ddp: DistributedDataParallel | None = None
+        self.grad_check = GradCheck(device)
         if env.is_distributed and o.grad_sync == "ddp":  # under torchrun, even alone
             with warnings.catch_warnings():  # its successor would sync buffers at start-up
                 warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
@@ -181,7 +215,7 @@ class Trainer:
                     broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
                     bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
                     gradient_as_bucket_view=True)  # no copy between gradients and bucket
-            self.ddp.register_comm_hook(None, sum_allreduce_hook)
+            self.ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
         elif env.world_size > 1:
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=0)
@@ -248,21 +282,59 @@ class Trainer:
         """One turn of the loop: the next step, then what follows it (progress, scalars every
         ``--log-every`` steps, the evaluation at an epoch's end, the checkpoint when due)."""
         batch = self.global_batch()
+        self.faults.maybe_hang(self.progress.step + 1)
         result = self.train_step(batch, stop_requested)
-        epoch_ended = self.advance(len(batch))
-        self.window.add(result)
-        self.display.update(self.progress.epoch + (self.progress.cursor > 0),
-                            self.progress.step, self.total_steps, result.loss,
-                            self.window.samples_per_s())
-        if self.should_log() or epoch_ended:
-            self.log_training(self.window.drain())
-        if epoch_ended or self.done():
-            self.log_evaluation()
-        if self.checkpointer.maybe_save(self.state, self.progress.step,
-                                        epoch_end=epoch_ended,
-                                        final=self.done() or result.stop_requested):
-            self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
+        self.watchdog.step_done(self.progress.step + 1, result.seconds)
+        if result.checkpoint_failed:
+            self.stop_after_checkpoint_failure()
+        with self.watchdog.busy("reporting"):  # saving, evaluating, logging: not a hang
+            epoch_ended = self.advance(len(batch))
+            self.count_nonfinite(result)
+            if not result.nonfinite_ranks:
+                self.window.add(result)
+            self.display.update(self.progress.epoch + (self.progress.cursor > 0),
+                                self.progress.step, self.total_steps, result.loss,
+                                self.window.samples_per_s())
+            if (self.should_log() or epoch_ended) and self.window.results:
+                self.log_training(self.window.drain())
+            if epoch_ended or self.done():
+                self.log_evaluation()
+            if self.checkpointer.maybe_save(self.state, self.progress.step,
+                                            epoch_end=epoch_ended,
+                                            final=self.done() or result.stop_requested):
+                self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
         return result
+
+    def count_nonfinite(self, result: StepResult) -> None:
+        """Counts a skipped step; TrainingDiverged after ``--max-nonfinite-steps`` in a row."""
+        p = self.progress
+        if not result.nonfinite_ranks:
+            p.nonfinite_in_a_row = 0
+            return
+        p.nonfinite_steps += 1
+        p.nonfinite_in_a_row += 1
+        ranks = result.nonfinite_ranks
+        log.warning("step %d skipped: non-finite loss or gradients on rank(s) %s (%d in a row)",
+                    p.step, ", ".join(map(str, ranks)), p.nonfinite_in_a_row)
+        self.events.emit("nonfinite", p.step, rank=ranks[0], ranks=ranks,
+                         in_a_row=p.nonfinite_in_a_row)
+        self.metrics.scalars(p.step, {"train/nonfinite_steps": p.nonfinite_steps})
+        limit = self.cfg.run.max_nonfinite_steps
+        if p.nonfinite_in_a_row < limit:
+            return
+        message = (f"{limit} steps in a row (to step {p.step}) had non-finite loss or gradients "
+                   f"(rank(s) {', '.join(map(str, ranks))} at the last); none was applied, and "
+                   f"no checkpoint was written after them (--max-nonfinite-steps {limit}): "
+                   f"lower --lr, or check the data")
+        if not self.env.is_main:  # rank 0 says it, once
+            raise PeerStopped(message, exit_code=2)
+        self.metrics.flush()
+        raise TrainingDiverged(message)
+
+    def stop_after_checkpoint_failure(self) -> None:
+        """Rank 0 could not save: it says why (the writer's error), every rank stops."""
+        self.checkpointer.wait()  # raises the writer's error on rank 0
+        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=2)
 
     def global_batch(self) -> torch.Tensor:
         """The next step's sample indices, on the data's device."""
@@ -282,9 +354,12 @@ class Trainer:
         if not counts:  # more ranks than micro-batches: join the sync with a pass worth nothing
             mine = micro_batches[:1]
         scale = 1.0 / len(batch) if counts else 0.0
+        if self.faults.fires("nan-grad", self.progress.step + 1):
+            scale = math.nan  # this rank's gradients, poisoned for a test
 
         self.bn_stats.begin_step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.grad_check.nonfinite.zero_()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         correct = torch.zeros((), dtype=torch.float64, device=self.device)
         data_wait = 0.0
@@ -300,6 +375,12 @@ class Trainer:
             if counts:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
+        nonfinite = ~torch.isfinite(loss_sum)
+        if self.ddp is None:  # this rank's own gradients, before any sum
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            nonfinite |= ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
+        else:
+            nonfinite |= self.grad_check.nonfinite
         if self.ddp is None and self.env.world_size > 1:
             self._all_reduce_gradients()
 
@@ -307,18 +388,30 @@ class Trainer:
         # may checkpoint it), every rank's record is written, even if its node dies right after.
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
                           self.env.world_size, mine if counts else [])
-        # One collective for the step's scalars: loss, accuracy, stop flag, BatchNorm statistics.
-        flag = torch.full((1,), float(stop_requested), dtype=torch.float64, device=self.device)
-        packed = torch.cat([loss_sum.view(1), correct.view(1), flag,
+        # One collective for the step: loss, accuracy, the stop and checkpoint-failure flags,
+        # which ranks saw non-finite values, and the BatchNorm statistics.
+        flags = torch.tensor([stop_requested, self.checkpointer.failed], dtype=torch.float64,
+                             device=self.device)
+        ranks_nonfinite = torch.zeros(self.env.world_size, dtype=torch.float64,
+                                      device=self.device)
+        ranks_nonfinite[self.env.rank] = nonfinite.double()
+        packed = torch.cat([loss_sum.view(1), correct.view(1), flags, ranks_nonfinite,
                             self.bn_stats.local_sums(self.device)])
         distributed.all_reduce_(packed)
-        self.bn_stats.apply(packed[3:])
-        self.optimizer.step()
+        head = 4 + self.env.world_size
+        loss_total, correct_total, stops, checkpoint_failed, *per_rank = packed[:head].tolist()
+        nonfinite_ranks = [rank for rank, count in enumerate(per_rank) if count > 0]
+        if nonfinite_ranks:  # skipped on every rank alike: no update, statistics as they were
+            self.bn_stats.restore()
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.bn_stats.apply(packed[head:])
+            self.optimizer.step()
 
-        loss_total, correct_total, stops = packed[:3].tolist()
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
                           samples=len(batch), stop_requested=stops > 0,
-                          seconds=time.perf_counter() - step_start, data_wait_s=data_wait)
+                          seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
+                          nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed > 0)
 
     def _autocast(self) -> torch.autocast:
         """The forward pass in bf16 under ``--precision bf16``, else as it is."""
@@ -363,6 +456,7 @@ class Trainer:
             "perf/step_ms": window["step_ms"], "perf/data_wait_pct": window["data_wait_pct"],
             "elastic/world_size": self.env.world_size,
             "elastic/restart_generation": self.restart_generation,
+            "train/nonfinite_steps": p.nonfinite_steps,
         })
         log.info("epoch %d step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
                  p.epoch + (p.cursor > 0), p.step, self.total_steps, window["loss"],

@@ -11,6 +11,7 @@ from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
 from elastic_mnist.job import run_training
 from elastic_mnist.logs import setup_logging
+from elastic_mnist.trainer import PeerStopped, TrainingDiverged
 
 
 @record
@@ -23,7 +24,9 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     setup_logging(env)
     try:
         device = resolve_device(cfg.run.device, env)
-        with process_group(env, device, cfg.run.pg_timeout):
-            return run_training(cfg, env, device)
-    except USER_ERRORS + (CheckpointError,) as e:
+        with process_group(env, device, cfg.run.pg_timeout) as store:
+            return run_training(cfg, env, device, store)
+    except USER_ERRORS + (CheckpointError, TrainingDiverged) as e:
         return report_user_error("train", e)
+    except PeerStopped as e:
+        return e.exit_code

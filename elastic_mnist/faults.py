@@ -1,0 +1,75 @@
+"""Fault injection, for tests and the chaos harness only: faults that are not crashes, on demand.
+
+``ELASTIC_MNIST_FAULT`` holds a comma-separated list of ``KIND@STEP[:RANK]`` (RANK 0 if left out):
+
+    nan-grad@STEP:RANK   that rank's gradients of optimizer step STEP become NaN
+    hang@STEP:RANK       that rank stops itself (SIGSTOP) as it begins step STEP, as a deadlocked or
+                         wedged process would: it makes no progress and does not exit
+    disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
+
+Each fault fires once, and only in a launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0):
+the attempt torchrun restarts after it runs clean, as it would once a real fault has passed.
+Nothing here runs unless the variable is set.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from elastic_mnist.env import EnvError
+
+FAULT_VAR = "ELASTIC_MNIST_FAULT"
+KINDS = ("nan-grad", "hang", "disk-full")
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int = 0
+
+
+def parse(text: str) -> tuple[Fault, ...]:
+    """``nan-grad@5:1,hang@12:1`` → faults; EnvError, in one line, on anything else."""
+    faults = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        kind, _, where = item.partition("@")
+        step, _, rank = where.partition(":")
+        if kind not in KINDS or not step.isdigit() or not (rank == "" or rank.isdigit()):
+            raise EnvError(f"{FAULT_VAR}: {item!r} is not KIND@STEP[:RANK] with KIND one of "
+                           f"{', '.join(KINDS)}")
+        faults.append(Fault(kind, int(step), int(rank or 0)))
+    return tuple(faults)
+
+
+class Faults:
+    """The faults this process is to inject; asked at the places where each would strike."""
+
+    def __init__(self, faults: tuple[Fault, ...] = (), rank: int = 0):
+        self.pending = {(f.kind, f.step) for f in faults if f.rank == rank}
+
+    @classmethod
+    def from_environ(cls, rank: int, restart_count: int,
+                     environ: Mapping[str, str] | None = None) -> Faults:
+        text = (os.environ if environ is None else environ).get(FAULT_VAR, "")
+        faults = parse(text)  # checked on every attempt: a bad value is said at once
+        return cls(faults if restart_count == 0 else (), rank)
+
+    def fires(self, kind: str, step: int) -> bool:
+        """True once for a fault of ``kind`` at ``step`` meant for this rank."""
+        if (kind, step) in self.pending:
+            self.pending.discard((kind, step))
+            return True
+        return False
+
+    def maybe_hang(self, step: int) -> None:
+        if self.fires("hang", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+    def maybe_fill_disk(self, step: int) -> None:
+        if self.fires("disk-full", step):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

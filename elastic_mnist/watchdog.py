@@ -1,0 +1,281 @@
+"""A progress watchdog in every worker: a hung rank costs seconds, not ``--pg-timeout``.
+
+A rank that stops making progress (a deadlock, a stuck filesystem, a GPU hang, a SIGSTOP) keeps
+every other rank waiting in its next collective, and a stopped process does not even exit when its
+agent asks. torch's own answer (``torch.distributed.elastic.timer``) needs a variable set in the
+agent, which plain torchrun users do not set; this one needs nothing from the launcher.
+
+Every rank runs a thread that, once a second, publishes a heartbeat (last step, a beat counter,
+whether the loop is busy with work that is not a step) in the job's store. When no step has
+completed for the deadline (``--hang-timeout``, or 10x the slowest recent step if that is longer)
+and this rank is not busy, it reads every heartbeat twice, two beats apart:
+
+- a rank whose beat did not move is hung (stopped, or wedged holding the interpreter);
+- a rank that is busy and alive (saving, evaluating, logging) is waited for: not a hang;
+- live ranks that all wait, none busy, is a deadlock.
+
+Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl,
+kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM), and
+exits with EXIT_HUNG; the others follow as their collectives fail, and the agents restart the
+group from the last checkpoint. The first step (compiling, loading), evaluations, checkpoint
+saves and data preparation are not steps, and do not count.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import platform
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import Store
+
+from elastic_mnist.distributed import end_process
+from elastic_mnist.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+EXIT_HUNG = 124
+"""Exit status of a worker that left a hung group (as timeout(1)'s): its agent restarts it."""
+BEAT_S = 1.0
+STEPS_PER_DEADLINE = 10
+"""The deadline is at least this many of the slowest recent steps."""
+RECENT_STEPS = 100
+STORE_TIMEOUT = timedelta(seconds=2)
+PREFIX = "elastic_mnist/watchdog/"
+DECLARED = PREFIX + "hang"
+
+
+class StoreSilent(Exception):
+    """The store did not answer in time: its host (rank 0) is stopped or gone."""
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step: int
+    beat: int
+    busy: str
+    host: str
+    pid: int
+    ppid: int
+
+
+@dataclass
+class Verdict:
+    """Why the group is hung, and who hangs it (empty when nobody can tell)."""
+
+    suspects: list[int]
+    silent: list[int]
+    """Ranks whose heartbeat stopped: not running at all."""
+    reason: str
+    heartbeats: dict[int, Heartbeat]
+
+
+class NullWatchdog:
+    """No watchdog: one process, or ``--hang-timeout 0``."""
+
+    def start(self) -> None:
+        pass
+
+    def step_done(self, step: int, seconds: float) -> None:
+        pass
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        yield
+
+    def absorb(self) -> None:
+        """Called on a failure of the training loop; returns unless a hang explains it."""
+
+    def close(self) -> None:
+        pass
+
+
+class Watchdog(NullWatchdog):
+    def __init__(self, env: DistEnv, store: Store, floor_s: float,
+                 report: Callable[[dict[str, Any], bool], None], beat_s: float = BEAT_S):
+        """``report(record, rank_zero_suspected)`` writes the ``hang`` event where it can."""
+        self.env, self.store, self.floor_s, self.report = env, store, floor_s, report
+        self.beat_s = beat_s
+        self.store.set_timeout(STORE_TIMEOUT)
+        # A stopped store host accepts connections but never answers, and a socket read waits
+        # for it however the store's timeout is set: every store call runs here, bounded.
+        self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="watchdog-store")
+        self._pending: concurrent.futures.Future | None = None
+        self.peers: dict[int, Heartbeat] = {}
+        """Every rank's heartbeat as first read: who and where each is, to find it if it hangs."""
+        self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
+        self.step = 0
+        self.armed = False
+        self.busy_with = ""
+        self.last_progress = time.monotonic()
+        self.beats = 0
+        self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    # --- the training thread --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._publish()  # before the first step: once it is done, every rank's entry is there
+        self._thread.start()
+
+    def step_done(self, step: int, seconds: float) -> None:
+        self.step = step
+        self.recent.append(seconds)
+        self.last_progress = time.monotonic()
+        if not self.armed:  # from the first completed step on: compiling and loading are over
+            self.peers = self._table() or {}
+            self.armed = True
+
+    @contextlib.contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Work between steps that may take long (saving, evaluating): not a hang."""
+        self.busy_with = what
+        try:
+            yield
+        finally:
+            self.busy_with = ""
+            self.last_progress = time.monotonic()
+
+    def deadline_s(self) -> float:
+        return max(self.floor_s, STEPS_PER_DEADLINE * max(self.recent, default=0.0))
+
+    def absorb(self) -> None:
+        """A collective failed: if a peer declared a hang, this rank leaves quietly as well."""
+        try:
+            found = self._call(self.store.check, [DECLARED])
+            record = json.loads(self._call(self.store.get, DECLARED)) if found else None
+        except StoreSilent:  # the store went with its host
+            record = None
+        if record is not None:
+            log.error("leaving the group: rank %s declared it hung after step %s",
+                      record["reported_by"], record["last_step"])
+            self._exit()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self._calls.shutdown(wait=False)
+
+    def _call(self, method: Callable[..., Any], *args: Any) -> Any:
+        """``method(*args)`` on the store, or StoreSilent if it does not answer in time (at once
+        while an earlier call still waits for it)."""
+        if self._pending is not None and not self._pending.done():
+            raise StoreSilent
+        self._pending = self._calls.submit(method, *args)
+        try:
+            return self._pending.result(STORE_TIMEOUT.total_seconds())
+        except (concurrent.futures.TimeoutError, RuntimeError) as e:
+            raise StoreSilent from e
+
+    # --- the watchdog thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._publish()  # who this rank is, before anything can hang
+        while not self._stop.wait(self.beat_s):
+            self._publish()
+            if not self._overdue():
+                continue
+            verdict = self._probe()
+            if verdict is None:  # a peer is busy, or steps moved meanwhile: a fresh deadline
+                self.last_progress = time.monotonic()
+                continue
+            self._declare(verdict)
+
+    def _publish(self) -> None:
+        self.beats += 1
+        beat = Heartbeat(rank=self.env.rank, step=self.step, beat=self.beats,
+                         busy=self.busy_with, **self.identity)
+        with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
+            self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(asdict(beat)))
+
+    def _overdue(self) -> bool:
+        return (self.armed and not self.busy_with and not self._stop.is_set()
+                and time.monotonic() - self.last_progress > self.deadline_s())
+
+    def _table(self) -> dict[int, Heartbeat] | None:
+        """Every rank's heartbeat, None if the store does not answer."""
+        keys = [f"{PREFIX}{rank}" for rank in range(self.env.world_size)]
+        try:
+            present = [key for key in keys if self._call(self.store.check, [key])]
+            values = self._call(self.store.multi_get, present) if present else []
+        except StoreSilent:
+            return None
+        return {beat.rank: beat for beat in (Heartbeat(**json.loads(v)) for v in values)}
+
+    def _probe(self) -> Verdict | None:
+        step = self.step
+        first = self._table()
+        for _ in range(2):  # beating on, as every live rank does
+            time.sleep(self.beat_s)
+            self._publish()
+        second = self._table()
+        if self.step != step or self.busy_with or self._stop.is_set():
+            return None
+        if first is None or second is None:
+            return Verdict([0], [0], "the store that rank 0 serves does not answer", {})
+        ranks = range(self.env.world_size)
+        silent = [r for r in ranks if r not in first or r not in second
+                  or second[r].beat == first[r].beat]
+        if any(second[r].busy for r in ranks if r not in silent):
+            return None
+        if any(second[r].step != first[r].step for r in ranks if r not in silent):
+            return None
+        if silent:
+            return Verdict(silent, silent, "no heartbeat (stopped or wedged)", second)
+        steps = {r: second[r].step for r in ranks}
+        behind = [r for r in ranks if steps[r] < max(steps.values())]
+        return Verdict(behind, [], "every rank alive, none busy, none stepping", second)
+
+    def _declare(self, verdict: Verdict) -> None:
+        waited = time.monotonic() - self.last_progress
+        record = {"rank": verdict.suspects[0] if verdict.suspects else None,
+                  "ranks": verdict.suspects, "last_step": self.step,
+                  "reported_by": self.env.rank, "reason": verdict.reason,
+                  "waited_s": round(waited, 2), "deadline_s": round(self.deadline_s(), 2)}
+        first = self._claim(record)
+        suspects = ", ".join(map(str, verdict.suspects)) or "unknown"
+        log.error("hang: no step completed for %.1f s after step %d (deadline %.1f s); hung "
+                  "rank(s): %s (%s); leaving so that torchrun restarts the group", waited,
+                  self.step, self.deadline_s(), suspects, verdict.reason)
+        if first:
+            self.report(record, 0 in verdict.suspects)
+        self._kill_stopped_siblings(verdict)
+        self._exit()
+
+    def _claim(self, record: dict[str, Any]) -> bool:
+        """True if this rank is the first to declare (or the store is gone and it is the lowest
+        rank not suspected): the one that writes the event."""
+        try:
+            value = json.dumps(record)
+            return self._call(self.store.compare_set, DECLARED, "", value).decode() == value
+        except StoreSilent:
+            live = [r for r in range(self.env.world_size) if r not in record["ranks"]]
+            return bool(live) and self.env.rank == min(live)
+
+    def _kill_stopped_siblings(self, verdict: Verdict) -> None:
+        """A stopped process obeys SIGTERM only when continued, and its agent waits 30 s for it
+        before SIGKILL: workers of this node (same agent) whose heartbeat stopped go now."""
+        for rank in verdict.silent:
+            beat = verdict.heartbeats.get(rank) or self.peers.get(rank)
+            if (beat is not None and beat.host == self.identity["host"]
+                    and beat.ppid == self.identity["ppid"] and beat.pid != os.getpid()):
+                log.error("killing rank %d (pid %d): it stopped responding", rank, beat.pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(beat.pid, signal.SIGKILL)
+
+    def _exit(self) -> None:
+        end_process(EXIT_HUNG)
