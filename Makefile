@@ -12,7 +12,7 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard chaos chaos32 lint clean bench
+.PHONY: install train test test-fast tensorboard chaos chaos32 lint clean bench slurm-check
 
 install: $(STAMP)
 
@@ -52,6 +52,13 @@ BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --update-readme
+
+# jobs/slurm.sbatch on a one-node SLURM cluster started here (slurm-wlm and munge installed with
+# apt when missing): submitted, preempted, requeued, resumed at the step it stopped, finished;
+# prints the timings (about a minute). SLURM_CHECK_ARGS="--steps 1000 --preempt-after 500".
+SLURM_CHECK_ARGS ?=
+slurm-check: $(STAMP)
+	scripts/slurm_local.sh $(BIN)/python scripts/slurm_check.py $(SLURM_CHECK_ARGS)
 
 lint: $(STAMP)
 	$(BIN)/ruff check elastic_mnist scripts tests

@@ -1,0 +1,309 @@
+#!/usr/bin/env python3
+"""jobs/slurm.sbatch under a real SLURM: submitted, preempted, requeued, resumed, finished.
+
+    scripts/slurm_local.sh .venv/bin/python scripts/slurm_check.py   (what `make slurm-check` runs)
+    .venv/bin/python scripts/slurm_check.py [--steps N] [--preempt-after N] [--keep]
+
+Needs `sbatch` and a running controller (`scontrol ping`); scripts/slurm_local.sh starts a
+one-node cluster for it. Submits the job file as users do, from the repository root, with what a
+one-node CPU cluster needs on the command line (`--nodes=1 --gpus-per-node=0`, NPROC_PER_NODE
+workers, SHARED in a temporary folder, the log there too) and a short run on synthetic digits.
+Once the job has trained PREEMPT_AFTER steps it sends `scancel --batch --signal=TERM JOBID`, the
+rehearsal the job file names, and checks what the run left behind:
+
+- the workers stopped at one step and saved a checkpoint of it (`latest`, its manifest, `inspect`);
+- the job put itself back into the queue, and SLURM started it again;
+- the new workers resumed from exactly that step (events.jsonl `start`, `resumed_from_step`);
+- the job finished (`finish` at --steps, state COMPLETED, exit code 0:0), every sample of every
+  completed epoch used exactly once (scripts/check_audit.py);
+- one run for the job however often it started: one folder under LOGDIR, named by the job id,
+  and the same run id in the checkpoint folder.
+
+Prints the seconds from submission to the first step, from the TERM to the stop, from the stop to
+the requeued job's first step, and from there to the finish. Exit 0 when all hold, 1 when one does
+not (the work folder is then kept), 2 when SLURM is not there or the arguments are wrong.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from chaos import Observer
+from processes import job_env
+
+from elastic_mnist.events import event_time
+
+REPO = Path(__file__).resolve().parents[1]
+SBATCH = REPO / "jobs" / "slurm.sbatch"
+BIN = Path(sys.executable).parent
+
+
+class CheckFailed(Exception):
+    """One thing the run should have done and did not."""
+
+
+@dataclass
+class Outcome:
+    job_id: str
+    work: Path
+    stopped_step: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+def slurm_missing() -> str | None:
+    """Why no SLURM job can be submitted from here, or None when one can."""
+    if shutil.which("sbatch") is None or shutil.which("scontrol") is None:
+        return "sbatch or scontrol is not on PATH (scripts/slurm_local.sh starts a cluster)"
+    try:
+        ping = subprocess.run(["scontrol", "ping"], check=False, capture_output=True,
+                              text=True, timeout=15)
+    except subprocess.TimeoutExpired:
+        return "scontrol ping did not answer within 15 s"
+    if ping.returncode != 0 or "UP" not in ping.stdout:
+        said = (ping.stdout + ping.stderr).strip().splitlines()
+        return f"no SLURM controller answers scontrol ping ({said[-1] if said else 'no output'})"
+    return None
+
+
+def job_fields(job_id: str) -> dict[str, str]:
+    """`scontrol show job` as KEY=VALUE pairs (empty when SLURM has forgotten the job)."""
+    shown = subprocess.run(["scontrol", "show", "job", "-o", job_id], check=False,
+                           capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S*)", shown.stdout)) if shown.returncode == 0 else {}
+
+
+class Job:
+    """The submitted job: its log, its run's records, and waiting on them."""
+
+    def __init__(self, job_id: str, work: Path, deadline: float):
+        self.id = job_id
+        self.work = work
+        self.log = work / f"elastic-mnist-{job_id}.out"
+        self.observer = Observer(work / "runs" / job_id)
+        self.deadline = deadline
+        self.states: list[tuple[float, str]] = []  # (time first seen, JobState)
+
+    def state(self) -> str:
+        state = job_fields(self.id).get("JobState", "UNKNOWN")
+        if not self.states or self.states[-1][1] != state:
+            self.states.append((time.time(), state))
+        return state
+
+    def events(self, kind: str) -> list[dict]:
+        return [e for e in self.observer.events() if e["event"] == kind]
+
+    def wait(self, what: str, ready, poll: float = 0.2):
+        """Polls ``ready()`` (also following the job's state) until it returns something true."""
+        while True:
+            state = self.state()
+            found = ready()
+            if found:
+                return found
+            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+                raise CheckFailed(f"job {self.id} ended {state} while waiting for {what}"
+                                  f"{self.log_tail()}")
+            if time.time() > self.deadline:
+                raise CheckFailed(f"timed out waiting for {what} (job {self.id} is {state})"
+                                  f"{self.log_tail()}")
+            time.sleep(poll)
+
+    def log_tail(self, lines: int = 15) -> str:
+        if not self.log.exists():
+            return f"; no job log at {self.log}"
+        tail = self.log.read_text(errors="replace").splitlines()[-lines:]
+        return f"; the job log {self.log} ends:\n  " + "\n  ".join(tail)
+
+    def first_step_time(self, generation: int) -> float | None:
+        times = [r["time"] for r in self.observer.audit() if r["generation"] == generation]
+        return min(times) if times else None
+
+
+def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
+
+
+def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
+                    nproc_per_node: int = 2, timeout: float = 900) -> Outcome:
+    """Submits, preempts and follows the job to its end; raises CheckFailed at the first thing
+    that does not hold."""
+    deadline = time.time() + timeout
+    data = work / "data"
+    synth = run([str(BIN / "elastic-mnist"), "synth", "--out", str(data), "--train", "12800",
+                 "--test", "512", "--seed", "0"])
+    if synth.returncode != 0:
+        raise CheckFailed(f"elastic-mnist synth failed: {synth.stderr.strip()}")
+    epochs = -(-steps * 128 // 12800)  # enough epochs for --steps at the default batch of 128
+    env = job_env(threads=1, SHARED=str(work), NPROC_PER_NODE=str(nproc_per_node))
+    submitted = time.time()
+    sbatch = run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0",
+                  f"--output={work}/elastic-mnist-%j.out", str(SBATCH),
+                  "--dataset", "synthetic", "--no-download", "--epochs", str(epochs),
+                  "--max-steps", str(steps), "--checkpoint-every", "50", "--log-every", "50",
+                  "--audit-samples"], cwd=REPO, env=env)
+    if sbatch.returncode != 0:
+        raise CheckFailed(f"sbatch refused the job: {sbatch.stderr.strip()}")
+    job = Job(sbatch.stdout.strip().split(";")[0], work, deadline)
+    outcome = Outcome(job.id, work)
+    print(f"slurm_check: job {job.id} submitted; work folder {work}", flush=True)
+
+    first = job.wait("the first step", lambda: job.first_step_time(0))
+    outcome.timings["submit → first step"] = first - submitted
+    job.wait(f"step {preempt_after}", lambda: job.observer.step() >= preempt_after)
+    if job.events("finish"):
+        raise CheckFailed("the job finished before it could be preempted; raise --steps")
+    term_step, term_sent = job.observer.step(), time.time()
+    scancel = run(["scancel", "--batch", "--signal=TERM", job.id])
+    if scancel.returncode != 0:
+        raise CheckFailed(f"scancel --batch --signal=TERM {job.id}: {scancel.stderr.strip()}")
+    print(f"slurm_check: TERM sent to the batch shell at step {term_step}", flush=True)
+
+    preempted = job.wait("the workers' stop (a `preempted` record)",
+                         lambda: job.events("preempted"))[0]
+    stopped = outcome.stopped_step = preempted["step"]
+    outcome.timings["TERM → stopped, checkpoint saved"] = event_time(preempted) - term_sent
+    if not preempt_after <= stopped < steps:
+        raise CheckFailed(f"stopped at step {stopped}, not between {preempt_after} and {steps}")
+    last_steps = {}
+    for record in job.observer.audit():
+        if record["generation"] == 0:
+            last_steps[record["rank"]] = max(last_steps.get(record["rank"], 0), record["step"])
+    if last_steps != dict.fromkeys(range(nproc_per_node), stopped):
+        raise CheckFailed(f"the {nproc_per_node} workers did not all stop at step {stopped}: "
+                          f"last step of each rank {last_steps}")
+    check_checkpoint(work / "checkpoints", stopped)
+    print(f"slurm_check: all {nproc_per_node} workers stopped at step {stopped}, checkpoint saved", flush=True)
+
+    starts = job.wait("the requeued job's start", lambda: job.events("start")[1:])
+    if starts[0].get("resumed_from_step") != stopped:
+        raise CheckFailed(f"the requeued job resumed from step "
+                          f"{starts[0].get('resumed_from_step')}, not {stopped}")
+    generation = starts[0]["restart_generation"]
+    resumed = job.wait("the requeued job's first step", lambda: job.first_step_time(generation))
+    outcome.timings["stopped → requeued job's first step"] = resumed - event_time(preempted)
+    outcome.timings.update(requeue_breakdown(job, event_time(preempted), resumed))
+    print(f"slurm_check: the requeued job resumed from step {stopped}", flush=True)
+
+    finish = job.wait("the finish", lambda: job.events("finish"))[0]
+    outcome.timings["requeued job's first step → finish"] = event_time(finish) - resumed
+    job.wait("the job's end", lambda: job.state() in ("COMPLETED", "FAILED", "CANCELLED"))
+    check_end(job, finish, steps, stopped)
+    outcome.timings["submit → job completed"] = job.states[-1][0] - submitted
+    log = job.log.read_text(errors="replace")
+    if "SignalException" in log:
+        outcome.notes.append("the job log holds torchrun's SignalException traceback (the "
+                             "agent passing SIGTERM on; expected)")
+    return outcome
+
+
+def requeue_breakdown(job: Job, stopped: float, resumed: float) -> dict[str, float]:
+    """Where the time between the stop and the requeued job's first step went, from the job
+    states seen while polling (to within 0.2 s)."""
+    pending = next((t for t, s in job.states if s == "PENDING" and t > stopped), None)
+    running = next((t for t, s in job.states if s == "RUNNING" and t > (pending or resumed)),
+                   None)
+    if pending is None or running is None:
+        return {}
+    return {"… stopped → back in the queue (PENDING)": pending - stopped,
+            "… PENDING → RUNNING (SLURM's requeue hold)": running - pending,
+            "… RUNNING → first step": resumed - running}
+
+
+def check_checkpoint(checkpoint_dir: Path, step: int) -> None:
+    """The newest checkpoint is the one of ``step``: `latest` names it, its manifest records the
+    step, and `elastic-mnist inspect` finds it valid."""
+    name = f"step-{step:08d}"
+    shown = run([str(BIN / "elastic-mnist"), "inspect", "--checkpoint-dir", str(checkpoint_dir),
+                 "--json"])
+    if shown.returncode != 0:
+        raise CheckFailed(f"elastic-mnist inspect failed: {shown.stderr.strip()}")
+    listing = json.loads(shown.stdout)
+    if not (listing["latest"] or "").startswith(name):
+        raise CheckFailed(f"checkpoints/latest names {listing['latest']!r}, not the stop's {name}")
+    if json.loads((checkpoint_dir / f"{name}.json").read_text())["step"] != step:
+        raise CheckFailed(f"{name}.json does not record step {step}")
+    if not any(c.get("step") == step and c["valid"] for c in listing["checkpoints"]):
+        raise CheckFailed(f"inspect finds no valid checkpoint of step {step}: "
+                          f"{listing['checkpoints']}")
+
+
+def check_end(job: Job, finish: dict, steps: int, stopped: int) -> None:
+    """Finished, once, in one run folder named by the job, every sample once per epoch."""
+    fields = job_fields(job.id)
+    if (fields.get("JobState"), fields.get("ExitCode")) != ("COMPLETED", "0:0"):
+        raise CheckFailed(f"job {job.id} ended {fields.get('JobState')} with exit code "
+                          f"{fields.get('ExitCode')}{job.log_tail()}")
+    if fields.get("Restarts") != "1":
+        raise CheckFailed(f"job {job.id} was started {fields.get('Restarts')} more times, not 1")
+    if finish["step"] != steps:
+        raise CheckFailed(f"the job finished at step {finish['step']}, not {steps}")
+    starts = [e.get("resumed_from_step") for e in job.events("start")]
+    if len(starts) != 2 or starts[1] != stopped or len(job.events("preempted")) != 1:
+        raise CheckFailed(f"two starts (the second from step {stopped}) and one stop expected; "
+                          f"events.jsonl has starts from {starts} and "
+                          f"{len(job.events('preempted'))} stops")
+    runs = sorted(p.name for p in (job.work / "runs").iterdir())
+    if runs != [job.id]:
+        raise CheckFailed(f"one run folder named {job.id} expected under runs/, found {runs}")
+    kept = json.loads((job.work / "checkpoints" / "run.json").read_text())
+    if kept.get("run_id") != job.id:
+        raise CheckFailed(f"checkpoints/run.json names run {kept.get('run_id')!r}, not {job.id}")
+    audit = run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
+                 str(job.work / "runs" / job.id)])
+    if audit.returncode != 0:
+        raise CheckFailed(f"sample audit: {(audit.stdout + audit.stderr).strip()}")
+    if "requeueing it" not in job.log.read_text(errors="replace"):
+        raise CheckFailed(f"the job log does not say that the job requeued itself{job.log_tail()}")
+
+
+def report(outcome: Outcome) -> str:
+    passed = (f"slurm_check: passed (job {outcome.job_id}, stopped and resumed at step "
+              f"{outcome.stopped_step})")
+    lines = [passed, "| interval | seconds |", "| --- | ---: |"]
+    lines += [f"| {name} | {seconds:.1f} |" for name, seconds in outcome.timings.items()]
+    lines += [f"slurm_check: {note}" for note in outcome.notes]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=600, help="steps the job trains in all")
+    parser.add_argument("--preempt-after", type=int, default=100,
+                        help="send the TERM once the job has trained this many steps")
+    parser.add_argument("--nproc-per-node", type=int, default=2, help="workers (NPROC_PER_NODE)")
+    parser.add_argument("--timeout", type=float, default=900, help="seconds for all of it")
+    parser.add_argument("--keep", action="store_true", help="keep the work folder after a pass")
+    args = parser.parse_args(argv)
+    if not 0 < args.preempt_after < args.steps or args.nproc_per_node < 1 or args.timeout <= 0:
+        parser.error("need 0 < --preempt-after < --steps, --nproc-per-node >= 1, --timeout > 0")
+    missing = slurm_missing()
+    if missing:
+        print(f"slurm_check: {missing}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="slurm-check-"))
+    try:
+        outcome = check_slurm_job(work, args.steps, args.preempt_after, args.nproc_per_node,
+                                  args.timeout)
+    except CheckFailed as failure:
+        print(f"slurm_check: FAILED: {failure}\nslurm_check: work folder kept: {work}",
+              file=sys.stderr)
+        return 1
+    print(report(outcome))
+    if args.keep:
+        print(f"slurm_check: work folder kept: {work}")
+    else:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
