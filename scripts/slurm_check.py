@@ -45,6 +45,9 @@ from elastic_mnist.events import event_time
 REPO = Path(__file__).resolve().parents[1]
 SBATCH = REPO / "jobs" / "slurm.sbatch"
 BIN = Path(sys.executable).parent
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE"}
+"""Job states after which nothing more happens (a requeued job is PENDING again instead)."""
 
 
 class CheckFailed(Exception):
@@ -91,13 +94,9 @@ class Job:
         self.log = work / f"elastic-mnist-{job_id}.out"
         self.observer = Observer(work / "runs" / job_id)
         self.deadline = deadline
-        self.states: list[tuple[float, str]] = []  # (time first seen, JobState)
 
     def state(self) -> str:
-        state = job_fields(self.id).get("JobState", "UNKNOWN")
-        if not self.states or self.states[-1][1] != state:
-            self.states.append((time.time(), state))
-        return state
+        return job_fields(self.id).get("JobState", "UNKNOWN")
 
     def events(self, kind: str) -> list[dict]:
         return [e for e in self.observer.events() if e["event"] == kind]
@@ -109,7 +108,7 @@ class Job:
             found = ready()
             if found:
                 return found
-            if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            if state in ENDED:
                 raise CheckFailed(f"job {self.id} ended {state} while waiting for {what}"
                                   f"{self.log_tail()}")
             if time.time() > self.deadline:
@@ -195,9 +194,10 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
 
     finish = job.wait("the finish", lambda: job.events("finish"))[0]
     outcome.timings["requeued job's first step → finish"] = event_time(finish) - resumed
-    job.wait("the job's end", lambda: job.state() in ("COMPLETED", "FAILED", "CANCELLED"))
+    job.wait("the job's end", lambda: job.state() in ENDED)
+    ended = time.time()
     check_end(job, finish, steps, stopped)
-    outcome.timings["submit → job completed"] = job.states[-1][0] - submitted
+    outcome.timings["submit → job completed"] = ended - submitted
     log = job.log.read_text(errors="replace")
     if "SignalException" in log:
         outcome.notes.append("the job log holds torchrun's SignalException traceback (the "
@@ -206,16 +206,15 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
 
 
 def requeue_breakdown(job: Job, stopped: float, resumed: float) -> dict[str, float]:
-    """Where the time between the stop and the requeued job's first step went, from the job
-    states seen while polling (to within 0.2 s)."""
-    pending = next((t for t, s in job.states if s == "PENDING" and t > stopped), None)
-    running = next((t for t, s in job.states if s == "RUNNING" and t > (pending or resumed)),
-                   None)
-    if pending is None or running is None:
+    """The time between the stop and the requeued job's first step, split at the start SLURM
+    records for the job's new run (StartTime, whole seconds): before it, the job requeueing
+    itself, SLURM's hold and its scheduling; after it, the agent and workers starting."""
+    try:
+        started = time.mktime(time.strptime(job_fields(job.id)["StartTime"], "%Y-%m-%dT%H:%M:%S"))
+    except (KeyError, ValueError):
         return {}
-    return {"… stopped → back in the queue (PENDING)": pending - stopped,
-            "… PENDING → RUNNING (SLURM's requeue hold)": running - pending,
-            "… RUNNING → first step": resumed - running}
+    return {"… stopped → started again (requeue, SLURM's hold; whole seconds)": started - stopped,
+            "… started again → first step": resumed - started}
 
 
 def check_checkpoint(checkpoint_dir: Path, step: int) -> None:

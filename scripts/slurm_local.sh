@@ -28,7 +28,9 @@ die() {
 }
 
 hold=${SLURM_LOCAL_HOLD:-10}
-[[ "$hold" =~ ^[0-9]+$ ]] || die "SLURM_LOCAL_HOLD must be a number of seconds, not '$hold'"
+# It is also the lifetime of the credential each job step is launched with: not too short.
+[[ "$hold" =~ ^[0-9]+$ ]] && (( hold >= 5 )) ||
+  die "SLURM_LOCAL_HOLD must be a number of seconds, 5 or more, not '$hold'"
 
 # --- install what is missing ------------------------------------------------------------------
 missing=()
@@ -164,7 +166,8 @@ munged --foreground --force --socket="$socket" --key-file="$dir/munge.key" \
 pids+=($!)
 wait_until 10 "munged answering on $socket" test -S "$socket"
 
-slurmctld -D -i -f "$SLURM_CONF" > "$dir/log/slurmctld.out" 2>&1 &
+# -c: a fresh start, without the jobs of an earlier run in the same SLURM_LOCAL_DIR.
+slurmctld -D -c -f "$SLURM_CONF" > "$dir/log/slurmctld.out" 2>&1 &
 ctld_pid=$!
 pids+=("$ctld_pid")
 wait_until 30 "slurmctld answering scontrol ping" scontrol ping
@@ -178,6 +181,7 @@ echo "slurm_local: one-node cluster up ($host, $cpus CPUs, requeue hold ${hold} 
 if (( $# )); then
   "$@" || status=$?
 else
+  trap 'exit' INT TERM  # the way to stop it: not a failure
   echo "slurm_local: in another shell: export SLURM_CONF=$SLURM_CONF; Ctrl-C here stops the cluster" >&2
   while kill -0 "${pids[@]}" 2> /dev/null; do sleep 1; done
   echo "slurm_local: a daemon stopped; logs in $dir/log" >&2

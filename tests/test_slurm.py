@@ -25,12 +25,12 @@ def test_a_preempted_slurm_job_requeues_itself_and_resumes_at_the_step_it_stoppe
     if missing:
         pytest.skip(missing)
     try:
-        outcome = slurm_check.check_slurm_job(tmp_path, steps=400, preempt_after=60,
+        outcome = slurm_check.check_slurm_job(tmp_path, steps=200, preempt_after=60,
                                               nproc_per_node=2, timeout=600)
     except slurm_check.CheckFailed as failure:
         pytest.fail(str(failure))
     print(slurm_check.report(outcome))
-    assert 60 <= outcome.stopped_step < 400
+    assert 60 <= outcome.stopped_step < 200
     assert set(outcome.timings) >= {"submit → first step", "TERM → stopped, checkpoint saved",
                                     "stopped → requeued job's first step",
                                     "requeued job's first step → finish"}
