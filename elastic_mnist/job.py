@@ -93,7 +93,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         # Steps after the checkpoint were lost with the old workers: hide what they logged.
         trainer.metrics = TensorBoardMetrics(run_dir, purge_step=step + 1)
         trainer.events = EventLog(run_dir / "events.jsonl")
-        trainer.display = progress_display(env.is_main)
+        trainer.display = progress_display(env.is_main, trainer.total_steps, step,
+                                           env.world_size)
         checkpointer.on_commit = partial(record_checkpoint, trainer)
     trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     trainer.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,

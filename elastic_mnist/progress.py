@@ -1,13 +1,14 @@
-"""Progress for people at a terminal: a live bar on a TTY, a log line every N steps otherwise."""
+"""Progress for people at a terminal: a tqdm bar on a TTY, a log line every N steps otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
-import time
 from typing import TextIO
 
-log = logging.getLogger(__name__)
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
 
 
 class LogLines:
@@ -22,36 +23,35 @@ class LogLines:
 
 
 class ProgressBar(LogLines):
-    """One line redrawn in place: epoch, step, loss, samples/s and ETA."""
+    """tqdm's bar: epoch, step of total, ETA, and as postfix the loss, samples/s and world size.
 
-    def __init__(self, stream: TextIO = sys.stderr, width: int = 24, min_interval_s: float = 0.1):
-        self.stream, self.width, self.min_interval_s = stream, width, min_interval_s
-        self._start = time.monotonic()
-        self._first_step: int | None = None
-        self._last_draw = 0.0
+    A launch has one world size, so it is given once; a resumed launch's bar starts at the step
+    it resumed from. While the bar is open, log lines to the console are printed above it.
+    """
+
+    def __init__(self, total_steps: int, initial_step: int, world_size: int,
+                 stream: TextIO = sys.stderr):
+        self.world_size = world_size
+        self.bar = tqdm(total=total_steps, initial=initial_step, file=stream, unit="step",
+                        dynamic_ncols=True, desc="epoch -")
+        self._redirect = contextlib.ExitStack()
+        self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def update(self, epoch: int, step: int, total_steps: int, loss: float,
                samples_per_s: float) -> None:
-        now = time.monotonic()
-        if self._first_step is None:
-            self._first_step, self._start = step, now
-        if now - self._last_draw < self.min_interval_s and step < total_steps:
-            return
-        self._last_draw = now
-        done = step / max(total_steps, 1)
-        filled = int(done * self.width)
-        steps_run = step - self._first_step
-        eta = (now - self._start) / steps_run * (total_steps - step) if steps_run else 0.0
-        self.stream.write(
-            f"\repoch {epoch} [{'#' * filled}{'.' * (self.width - filled)}] "
-            f"step {step}/{total_steps} loss {loss:.4f} {samples_per_s:,.0f} samples/s "
-            f"ETA {int(eta // 60)}:{int(eta % 60):02d} ")
-        self.stream.flush()
+        self.bar.total = total_steps
+        self.bar.set_description_str(f"epoch {epoch}", refresh=False)
+        self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s, "
+                                 f"world {self.world_size}", refresh=False)
+        self.bar.update(step - self.bar.n)
 
     def close(self) -> None:
-        self.stream.write("\n")
-        self.stream.flush()
+        self.bar.close()
+        self._redirect.close()
 
 
-def progress_display(is_main: bool, stream: TextIO = sys.stderr) -> LogLines:
-    return ProgressBar(stream) if is_main and stream.isatty() else LogLines()
+def progress_display(is_main: bool, total_steps: int, initial_step: int, world_size: int,
+                     stream: TextIO = sys.stderr) -> LogLines:
+    if is_main and stream.isatty():
+        return ProgressBar(total_steps, initial_step, world_size, stream)
+    return LogLines()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 import json
 import subprocess
@@ -17,7 +16,6 @@ from PIL import Image
 
 from elastic_mnist.events import read_events
 from elastic_mnist.job import is_generated_id
-from elastic_mnist.progress import ProgressBar
 
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
@@ -119,16 +117,6 @@ def test_plot_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
     done = run(cli_cmd("plot", str(tmp_path), "-o", str(tmp_path / "x.png")))
     assert done.returncode == 2
     assert "no train/loss" in done.stdout.strip().splitlines()[-1]
-
-
-def test_progress_bar_shows_epoch_step_loss_rate_and_eta():
-    stream = io.StringIO()
-    bar = ProgressBar(stream, min_interval_s=0)
-    bar.update(1, 10, 100, 0.5, 1234.0)
-    bar.update(1, 20, 100, 0.25, 1234.0)
-    line = stream.getvalue().split("\r")[-1]
-    for part in ("epoch 1", "step 20/100", "loss 0.2500", "1,234 samples/s", "ETA"):
-        assert part in line
 
 
 def test_standalone_uuids_are_not_run_names():
