@@ -57,11 +57,14 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--checkpoint-dir", required=True, help="folder of the checkpoints")
     inspect.add_argument("--json", action="store_true", help="print one JSON object")
 
-    plot = commands.add_parser("plot", help="draw a run's curves into a PNG",
-                               description="Loss and accuracy over steps, restarts and world-size "
-                                           "changes marked, from a run folder (<logdir>/<run id>).")
+    plot = commands.add_parser("plot", help="draw a run's curves into a PNG, SVG or PDF",
+                               description="Loss, error rate and throughput over steps, restarts "
+                                           "and the world size marked, from a run folder "
+                                           "(<logdir>/<run id>), with matplotlib.")
     plot.add_argument("run_dir", help="the run's folder (<logdir>/<run id>)")
-    plot.add_argument("-o", "--out", default="run.png", help="PNG to write (default: run.png)")
+    plot.add_argument("-o", "--out", default="run.png",
+                      help="file to write; its ending picks the format: .png, .svg or .pdf "
+                           "(default: run.png)")
 
     store = commands.add_parser("rendezvous", help="serve the c10d rendezvous store",
                                 description="Serve the c10d rendezvous store as a process of its "

@@ -11,15 +11,18 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from launch import clean_env, cli_cmd, free_port, kill_tree, run
+from launch import REPO, clean_env, free_port, kill_tree
 from PIL import Image
 
+from elastic_mnist.cli import main
 from elastic_mnist.events import read_events
 from elastic_mnist.job import is_generated_id
 
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
         "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes"}
+RESIZED_RESTARTS = ["g1, world 2\u21921", "g2, world 1\u21922"]
+"""The plot's labels of resized_run's two restarts: generation, world size before and after."""
 
 
 def accumulate(run_dir: Path):
@@ -105,18 +108,64 @@ def test_tensorboard_serves_the_run(resized_dir):
         kill_tree(board.pid)
 
 
-def test_plot_draws_the_run(resized_dir, tmp_path):
-    done = run(cli_cmd("plot", str(resized_dir), "-o", str(tmp_path / "run.png")))
-    assert done.returncode == 0, done.stdout
-    image = Image.open(tmp_path / "run.png")
-    colors = image.getcolors(maxcolors=image.size[0] * image.size[1])
-    assert image.size[0] > 500 and len(colors) > 3
+def plot(capsys, *argv: str) -> tuple[int, str]:
+    """``elastic-mnist plot ...`` in this process: its exit status and what it said on stderr."""
+    status = main(["plot", *argv])
+    return status, capsys.readouterr().err
 
 
-def test_plot_of_a_folder_without_a_run_is_a_clear_error(tmp_path):
-    done = run(cli_cmd("plot", str(tmp_path), "-o", str(tmp_path / "x.png")))
-    assert done.returncode == 2
-    assert "no train/loss" in done.stdout.strip().splitlines()[-1]
+@pytest.mark.parametrize("suffix", [".png", ".svg", ".pdf"])
+def test_plot_draws_the_run_for_a_report(resized_dir, tmp_path, capsys, suffix):
+    out = tmp_path / f"run{suffix}"
+    status, err = plot(capsys, str(resized_dir), "-o", str(out))
+    assert status == 0, err
+    data = out.read_bytes()
+    if suffix == ".png":
+        assert data.startswith(b"\x89PNG\r\n\x1a\n")
+        image = Image.open(out)
+        assert image.size[0] >= 1200 and len(image.getcolors(image.size[0] * image.size[1])) > 50
+    elif suffix == ".pdf":
+        assert data.startswith(b"%PDF-") and data.rstrip().endswith(b"%%EOF")
+    else:
+        text = data.decode()
+        assert text.lstrip().startswith("<?xml") and "<svg" in text
+        for words in (*RESIZED_RESTARTS, "loss", "error rate", "throughput and world size",
+                      "world size (processes)", "optimizer step", "final test accuracy"):
+            assert words in text, words
+
+
+def test_plot_labels_each_restart_with_generation_and_world_sizes(killed_run, resized_dir):
+    from elastic_mnist.plot import read_record
+
+    killed = read_record(killed_run / "runs" / "killed")
+    assert [r.label for r in killed.restarts] == ["g1, world 2\u21922", "g2, world 2\u21922"]
+    assert [s for s, _ in killed.starts] == [0] + [r.step for r in killed.restarts]
+    resized = read_record(resized_dir)
+    assert [r.label for r in resized.restarts] == RESIZED_RESTARTS
+    assert [w for _, w in resized.starts] == [2, 1, 2] and resized.final_accuracy > 0.5
+
+
+@pytest.mark.parametrize("case", ["no folder", "no run in it", "unknown format", "no such parent"])
+def test_plot_of_bad_input_is_one_line_and_exit_2(tmp_path, capsys, case):
+    run_dir, out, said = {
+        "no folder": (tmp_path / "missing", tmp_path / "run.png", "missing is not a folder"),
+        "no run in it": (tmp_path, tmp_path / "run.png", "holds no train/loss scalars"),
+        "unknown format": (tmp_path, tmp_path / "run.jpg", "must end with .png, .svg, .pdf"),
+        "no such parent": (tmp_path, tmp_path / "missing" / "run.png", "missing is not a folder"),
+    }[case]
+    status, err = plot(capsys, str(run_dir), "-o", str(out))
+    assert status == 2
+    assert len(err.strip().splitlines()) == 1 and err.startswith("elastic-mnist plot: error:"), err
+    assert said in err, err
+    assert not out.exists()
+
+
+def test_only_the_plot_command_imports_matplotlib():
+    probe = ("import sys, elastic_mnist.cli; before = 'matplotlib' in sys.modules; "
+             "import elastic_mnist.plot; print(before, 'matplotlib' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=REPO, env=clean_env(), check=False,
+                          capture_output=True, text=True, timeout=60)
+    assert done.stdout.split() == ["False", "True"], done.stderr
 
 
 def test_standalone_uuids_are_not_run_names():
