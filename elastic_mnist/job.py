@@ -48,6 +48,15 @@ from elastic_mnist.watchdog import Watchdog
 log = logging.getLogger(__name__)
 
 HPARAM_METRICS = ["test/accuracy", "test/loss", "train/loss"]
+DASHBOARD = {  # TensorBoard's custom scalars tab: {category: {chart: its tags}}
+    "loss": {"train and test loss": ["train/loss", "test/loss"]},
+    "accuracy": {"train and test accuracy": ["train/accuracy", "test/accuracy"]},
+    "elastic": {"world size and restart generation": ["elastic/world_size",
+                                                      "elastic/restart_generation"]},
+    "throughput": {"samples/s": ["perf/samples_per_s"], "step ms": ["perf/step_ms"],
+                   "data wait %": ["perf/data_wait_pct"]},
+    "checkpoints": {"save ms (blocking)": ["ckpt/save_ms"], "bytes": ["ckpt/bytes"]},
+}
 
 
 def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
@@ -96,6 +105,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         trainer.display = progress_display(env.is_main, trainer.total_steps, step,
                                            env.world_size)
         checkpointer.on_commit = partial(record_checkpoint, trainer)
+    trainer.metrics.layout(DASHBOARD)
     trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     trainer.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
                              "dataset_kind": dataset.kind}, HPARAM_METRICS)

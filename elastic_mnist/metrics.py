@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from elastic_mnist.fsutil import atomic_write_bytes
+
+LAYOUT_SUFFIX = ".layout"
+"""The end of the name of the event file that holds a run folder's custom scalars layout."""
 
 
 class NullMetrics:
@@ -21,6 +28,9 @@ class NullMetrics:
         pass
 
     def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
+        pass
+
+    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
         pass
 
     def flush(self) -> None:
@@ -40,6 +50,7 @@ class TensorBoardMetrics(NullMetrics):
     def __init__(self, run_dir: Path, purge_step: int | None = None):
         from torch.utils.tensorboard import SummaryWriter
 
+        self.run_dir = run_dir
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
@@ -62,6 +73,31 @@ class TensorBoardMetrics(NullMetrics):
         for summary in hparams_summaries(hparams, {tag: 0.0 for tag in metric_tags}):
             self.writer.file_writer.add_summary(summary)
 
+    def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
+        """The custom scalars dashboard: ``{category: {chart title: [tag, ...]}}``, each chart
+        one plot of its tags' lines.
+
+        Written once per run folder, whole or not at all, into an event file of its own
+        (``*.layout``) at step 0: a resumed launch finds it and writes none, and no later
+        launch's ``purge_step`` (always above 0) hides it.
+        """
+        if has_layout(self.run_dir):
+            return
+        from torch.utils.tensorboard.summary import custom_scalars
+        from torch.utils.tensorboard.writer import FileWriter
+
+        with tempfile.TemporaryDirectory() as scratch:
+            writer = FileWriter(scratch, filename_suffix=LAYOUT_SUFFIX)
+            writer.add_summary(custom_scalars({
+                category: {title: ["Multiline", [f"^{re.escape(tag)}$" for tag in tags]]
+                           for title, tags in charts.items()}
+                for category, charts in categories.items()}), global_step=0)
+            writer.close()
+            (written,) = Path(scratch).iterdir()
+            target = self.run_dir / written.name
+            atomic_write_bytes(target, written.read_bytes())
+        target.chmod(self.run_dir.stat().st_mode & 0o666)  # readable as the folder is
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -81,3 +117,7 @@ def flat_hparams(config: dict[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             flat[name] = str(value)
     return flat
+
+
+def has_layout(run_dir: Path) -> bool:
+    return any(run_dir.glob(f"events.out.tfevents.*{LAYOUT_SUFFIX}"))

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -21,6 +22,15 @@ from elastic_mnist.job import is_generated_id
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
         "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes"}
+LAYOUT = {  # what TensorBoard's custom scalars tab opens with: {category: {chart: its tags}}
+    "loss": {"train and test loss": ["train/loss", "test/loss"]},
+    "accuracy": {"train and test accuracy": ["train/accuracy", "test/accuracy"]},
+    "elastic": {"world size and restart generation": ["elastic/world_size",
+                                                      "elastic/restart_generation"]},
+    "throughput": {"samples/s": ["perf/samples_per_s"], "step ms": ["perf/step_ms"],
+                   "data wait %": ["perf/data_wait_pct"]},
+    "checkpoints": {"save ms (blocking)": ["ckpt/save_ms"], "bytes": ["ckpt/bytes"]},
+}
 RESIZED_RESTARTS = ["g1, world 2\u21921", "g2, world 1\u21922"]
 """The plot's labels of resized_run's two restarts: generation, world size before and after."""
 
@@ -85,27 +95,65 @@ def test_resized_run_records_the_resize(resized_dir):
         assert resize["step"] == preempted["step"]  # resumed exactly where it stopped
 
 
-def test_tensorboard_serves_the_run(resized_dir):
+@pytest.fixture(scope="module")
+def board(resized_dir):
+    """TensorBoard serving resized_run's logdir; yields a GET of its HTTP API as JSON."""
     port = free_port()
-    board = subprocess.Popen(
+    server = subprocess.Popen(
         [str(Path(sys.executable).parent / "tensorboard"), "--logdir", str(resized_dir.parent),
          "--port", str(port), "--host", "127.0.0.1", "--reload_interval", "1"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=clean_env())
-    try:
-        url = (f"http://127.0.0.1:{port}/data/plugin/scalars/scalars?run={resized_dir.name}"
-               f"&tag=train/loss")
-        deadline, served = time.monotonic() + 60, None
-        while served is None and time.monotonic() < deadline:
+
+    def get(path: str, **query: str):
+        url = f"http://127.0.0.1:{port}{path}?{urllib.parse.urlencode(query)}"
+        deadline = time.monotonic() + 60
+        while True:
             try:
                 with urllib.request.urlopen(url, timeout=5) as response:
-                    served = json.loads(response.read())
+                    return json.loads(response.read())
             except OSError:
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"TensorBoard did not serve {url} within 60 s") from None
                 time.sleep(0.5)
-        assert served is not None, "TensorBoard did not serve the run within 60 s"
-        expected = [e.step for e in accumulate(resized_dir).Scalars("train/loss")]
-        assert [step for _, step, _ in served] == expected
+
+    try:
+        yield get
     finally:
-        kill_tree(board.pid)
+        kill_tree(server.pid)
+
+
+def test_tensorboard_serves_the_run(resized_dir, board):
+    served = board("/data/plugin/scalars/scalars", run=resized_dir.name, tag="train/loss")
+    expected = [e.step for e in accumulate(resized_dir).Scalars("train/loss")]
+    assert [step for _, step, _ in served] == expected
+
+
+def test_tensorboard_opens_the_custom_scalars_layout_once_after_restarts(resized_dir, board):
+    deadline = time.monotonic() + 30
+    while not (layout := board("/data/plugin/custom_scalars/layout")):
+        assert time.monotonic() < deadline, "no custom scalars layout served within 30 s"
+        time.sleep(0.5)
+    # Three launches wrote into this folder: every category once, in order, as the job wrote it.
+    served = {category["title"]: {chart["title"]: [tag.strip("^$") for tag in
+                                                   chart["multiline"]["tag"]]
+                                  for chart in category["chart"]}
+              for category in layout["category"]}
+    assert [c["title"] for c in layout["category"]] == list(LAYOUT)
+    assert served == LAYOUT
+    # Every chart's tag pattern finds its one tag in the run, with points.
+    for chart in (c for category in layout["category"] for c in category["chart"]):
+        for pattern in chart["multiline"]["tag"]:
+            found = board("/data/plugin/custom_scalars/scalars", run=resized_dir.name,
+                          tag=pattern)
+            assert list(found["tag_to_events"]) == [pattern.strip("^$")], (pattern, found)
+            assert found["tag_to_events"][pattern.strip("^$")], pattern
+
+
+def test_each_run_folder_holds_one_layout_whatever_its_restarts(killed_run, resized_dir):
+    for run_dir in (killed_run / "runs" / "killed", resized_dir):
+        starts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"]
+        assert len(starts) == 3
+        assert len(list(run_dir.glob("events.out.tfevents.*.layout"))) == 1, run_dir
 
 
 def plot(capsys, *argv: str) -> tuple[int, str]:
