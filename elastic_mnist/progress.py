@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 from typing import TextIO
 
@@ -32,14 +33,16 @@ class ProgressBar(LogLines):
     def __init__(self, total_steps: int, initial_step: int, world_size: int,
                  stream: TextIO = sys.stderr):
         self.world_size = world_size
+        # A terminal that reports no size (some container and CI ptys) would get no bar at all
+        # from tqdm: it gets the numbers without the bar.
+        size = {"dynamic_ncols": True} if _has_size(stream) else {"ncols": 0, "nrows": 20}
         self.bar = tqdm(total=total_steps, initial=initial_step, file=stream, unit="step",
-                        dynamic_ncols=True, desc="epoch -")
+                        **size)
         self._redirect = contextlib.ExitStack()
         self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
     def update(self, epoch: int, step: int, total_steps: int, loss: float,
                samples_per_s: float) -> None:
-        self.bar.total = total_steps
         self.bar.set_description_str(f"epoch {epoch}", refresh=False)
         self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s, "
                                  f"world {self.world_size}", refresh=False)
@@ -48,6 +51,13 @@ class ProgressBar(LogLines):
     def close(self) -> None:
         self.bar.close()
         self._redirect.close()
+
+
+def _has_size(stream: TextIO) -> bool:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns > 0
+    except (AttributeError, OSError, ValueError):
+        return True  # not a real terminal: tqdm's defaults
 
 
 def progress_display(is_main: bool, total_steps: int, initial_step: int, world_size: int,

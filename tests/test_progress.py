@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import logging
+import os
+import pty
 import re
 import sys
 import time
@@ -34,6 +36,18 @@ def test_bar_shows_epoch_step_loss_rate_world_and_eta_from_the_resumed_step():
     for part in ("epoch 2", "34/100", "loss 0.2500", "1,234 samples/s", "world 3"):
         assert part in last, last
     assert re.search(r"\d\d:\d\d<\d\d:\d\d", last), last  # elapsed < ETA, both known
+
+
+def test_a_real_terminal_that_reports_no_size_still_shows_the_numbers():
+    leader, follower = pty.openpty()  # a fresh pty is 0x0, as some container and CI ptys are
+    with os.fdopen(follower, "w") as terminal:
+        assert os.get_terminal_size(terminal.fileno()).columns == 0
+        bar = progress_display(True, 100, 10, 2, stream=terminal)
+        bar.update(1, 20, 100, 0.5, 1000.0)
+        bar.close()
+        shown = os.read(leader, 65536).decode()
+    os.close(leader)
+    assert "20/100" in shown and "world 2" in shown, shown
 
 
 def test_without_a_terminal_or_off_rank_0_nothing_is_drawn():
