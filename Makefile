@@ -31,8 +31,11 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not slow"
 
+# make tensorboard listens on localhost (the logs hold command lines and paths); HOST=0.0.0.0
+# opens it to the network. Taken from make's command line only, never from a shell's own HOST.
+HOST = localhost
 tensorboard: $(STAMP)
-	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --bind_all
+	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --host $(HOST)
 
 # Simulated nodes on loopback, random faults (CHAOS_ARGS="--seed 3 --faults 8" for others).
 chaos: $(STAMP)
