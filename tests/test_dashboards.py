@@ -17,20 +17,11 @@ from PIL import Image
 
 from elastic_mnist.cli import main
 from elastic_mnist.events import read_events
-from elastic_mnist.job import is_generated_id
+from elastic_mnist.job import DASHBOARD, is_generated_id
 
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
         "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes"}
-LAYOUT = {  # what TensorBoard's custom scalars tab opens with: {category: {chart: its tags}}
-    "loss": {"train and test loss": ["train/loss", "test/loss"]},
-    "accuracy": {"train and test accuracy": ["train/accuracy", "test/accuracy"]},
-    "elastic": {"world size and restart generation": ["elastic/world_size",
-                                                      "elastic/restart_generation"]},
-    "throughput": {"samples/s": ["perf/samples_per_s"], "step ms": ["perf/step_ms"],
-                   "data wait %": ["perf/data_wait_pct"]},
-    "checkpoints": {"save ms (blocking)": ["ckpt/save_ms"], "bytes": ["ckpt/bytes"]},
-}
 RESIZED_RESTARTS = ["g1, world 2\u21921", "g2, world 1\u21922"]
 """The plot's labels of resized_run's two restarts: generation, world size before and after."""
 
@@ -138,8 +129,13 @@ def test_tensorboard_opens_the_custom_scalars_layout_once_after_restarts(resized
                                                    chart["multiline"]["tag"]]
                                   for chart in category["chart"]}
               for category in layout["category"]}
-    assert [c["title"] for c in layout["category"]] == list(LAYOUT)
-    assert served == LAYOUT
+    assert [c["title"] for c in layout["category"]] == ["loss", "accuracy", "elastic",
+                                                         "throughput", "checkpoints"]
+    assert served == DASHBOARD
+    charted = [tag for charts in served.values() for tags in charts.values() for tag in tags]
+    assert sorted(charted) == sorted(TAGS - {"opt/lr"})  # each once, the learning rate aside
+    assert served["loss"] == {"train and test loss": ["train/loss", "test/loss"]}
+    assert served["accuracy"] == {"train and test accuracy": ["train/accuracy", "test/accuracy"]}
     # Every chart's tag pattern finds its one tag in the run, with points.
     for chart in (c for category in layout["category"] for c in category["chart"]):
         for pattern in chart["multiline"]["tag"]:
@@ -154,6 +150,24 @@ def test_each_run_folder_holds_one_layout_whatever_its_restarts(killed_run, resi
         starts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"]
         assert len(starts) == 3
         assert len(list(run_dir.glob("events.out.tfevents.*.layout"))) == 1, run_dir
+
+
+def test_layout_is_written_once_and_whole_readable_as_the_folder(tmp_path):
+    from tensorboard.plugins.custom_scalar import layout_pb2
+
+    from elastic_mnist.metrics import TensorBoardMetrics
+
+    for purge_step in (1, 30):  # a fresh launch, then one resumed from step 29
+        metrics = TensorBoardMetrics(tmp_path, purge_step=purge_step)
+        metrics.layout({"loss": {"train and test loss": ["train/loss", "test/loss"]}})
+        metrics.close()
+    (written,) = tmp_path.glob("events.out.tfevents.*.layout")
+    assert written.stat().st_mode & 0o777 == tmp_path.stat().st_mode & 0o666
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temp file left
+    (event,) = accumulate(tmp_path).Tensors("custom_scalars__config__")
+    layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
+    assert event.step == 0 and [c.title for c in layout.category] == ["loss"]
+    assert list(layout.category[0].chart[0].multiline.tag) == ["^train/loss$", "^test/loss$"]
 
 
 def plot(capsys, *argv: str) -> tuple[int, str]:
