@@ -7,9 +7,11 @@
                          wedged process would: it makes no progress and does not exit
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
 
-Each fault fires once, and only in a launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0):
-the attempt torchrun restarts after it runs clean, as it would once a real fault has passed.
-Nothing here runs unless the variable is set.
+Each fires at most once per worker process. ``hang`` and ``disk-full`` fire only in a launch's
+first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the attempt torchrun restarts after them runs
+clean, as it would once a real fault has passed, instead of meeting them again forever. A
+``nan-grad`` step that a restart runs again is poisoned again (and skipped again). Nothing here
+runs unless the variable is set.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
 KINDS = ("nan-grad", "hang", "disk-full")
+FIRST_ATTEMPT = ("hang", "disk-full")
 
 
 @dataclass(frozen=True)
@@ -57,7 +60,8 @@ class Faults:
                      environ: Mapping[str, str] | None = None) -> Faults:
         text = (os.environ if environ is None else environ).get(FAULT_VAR, "")
         faults = parse(text)  # checked on every attempt: a bad value is said at once
-        return cls(faults if restart_count == 0 else (), rank)
+        return cls(tuple(f for f in faults if restart_count == 0 or f.kind not in FIRST_ATTEMPT),
+                   rank)
 
     def fires(self, kind: str, step: int) -> bool:
         """True once for a fault of ``kind`` at ``step`` meant for this rank."""

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 HPARAM_METRICS = ["test/accuracy", "test/loss", "train/loss"]
 DASHBOARD = {  # TensorBoard's custom scalars tab: {category: {chart: its tags}}
-    "loss": {"train and test loss": ["train/loss", "test/loss"]},
+    "loss": {"train and test loss": ["train/loss", "test/loss"],
+             "skipped steps (non-finite)": ["train/nonfinite_steps"]},
     "accuracy": {"train and test accuracy": ["train/accuracy", "test/accuracy"]},
     "elastic": {"world size and restart generation": ["elastic/world_size",
                                                       "elastic/restart_generation"]},

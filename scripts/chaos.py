@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Chaos harness: simulated nodes on loopback, real faults, and a verdict.
 
-    scripts/chaos.py [--nodes 3] [--faults 5] [--seed 0] [--schedule 120:kill-node:0,...]
+    scripts/chaos.py [--nodes 3] [--faults 7] [--seed 0] [--schedule 120:kill-node:0,...]
                      [--nproc-per-node 1] [--launch node.sh|torchrun] [--store external|agent]
 
 Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh`` (or, with
@@ -17,6 +17,10 @@ steps it injects faults:
                   goes on without the node, which comes back (is requeued) a few seconds later
     leave         SIGINT to a node's agent: the node leaves for good (until a later join)
     join          a new node joins the running job
+    hang-worker   SIGSTOP of one worker: it neither steps nor exits; the workers' watchdog
+                  restarts the group (its agent kills it only 30 s after asking it to stop)
+    nan-grad      rank 0's gradients of that step poisoned (ELASTIC_MNIST_FAULT, set when the
+                  nodes start): every rank skips the step
 
 Then it checks, and exits 1 on any failure: the job finished; every completed epoch used every
 sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
@@ -47,9 +51,10 @@ import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
 from elastic_mnist.events import event_time, read_events
+from elastic_mnist.faults import FAULT_VAR
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join")
+KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")
 REQUEUE_DELAY_S = 3.0
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
@@ -195,7 +200,8 @@ class Observer:
 
 
 def random_schedule(rng: random.Random, faults: int, first: int, last: int) -> list[Fault]:
-    """Fault steps spread over [first, last], kinds mixed: every kind appears when faults >= 5."""
+    """Fault steps spread over [first, last], kinds mixed: every kind appears when there are at
+    least as many faults as kinds."""
     kinds = list(KINDS) * (faults // len(KINDS) + 1)
     chosen = kinds[:faults] if faults >= len(KINDS) else rng.sample(KINDS, faults)
     rng.shuffle(chosen)
@@ -232,16 +238,32 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     agent = cluster.nodes[fault.node]
     if fault.kind == "kill-node":
         kill_tree(agent.pid)
-    elif fault.kind == "kill-worker":
+    elif fault.kind in ("kill-worker", "hang-worker"):
         pids = worker_pids(agent.pid)
         if not pids:
             return False
-        os.kill(pids[0], signal.SIGKILL)
+        os.kill(pids[0], signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
     elif fault.kind == "preempt-node":
         agent.send_signal(signal.SIGTERM)
     elif fault.kind == "leave":
         agent.send_signal(signal.SIGINT)
     return True
+
+
+def watch_skip(fault: Fault, observer: Observer, timeout: float) -> None:
+    """A nan-grad fault: when the step was skipped (its ``nonfinite`` record), and the next step."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        skipped = [e for e in observer.events()
+                   if e["event"] == "nonfinite" and e["step"] == fault.step]
+        if skipped:
+            fault.at = fault.noticed = event_time(skipped[0])
+            after = [r["time"] for r in observer.audit()
+                     if r["step"] > fault.step and r["time"] > fault.at]
+            if after:
+                fault.first_step, fault.steps_redone = min(after), 0
+                return
+        time.sleep(0.05)
 
 
 def is_running(pid: int) -> bool:
@@ -325,7 +347,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes at most (3)")
     parser.add_argument("--start-nodes", type=int, default=2, help="nodes at the start (2)")
-    parser.add_argument("--faults", type=int, default=5, help="random faults to inject (5)")
+    parser.add_argument("--faults", type=int, default=len(KINDS),
+                        help=f"random faults to inject ({len(KINDS)}: one of each kind)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random schedule (0)")
     parser.add_argument("--schedule", default="",
                         help="STEP:KIND[:NODE],... instead of random faults")
@@ -375,6 +398,9 @@ def main(argv: list[str] | None = None) -> int:
                   "--audit-samples"]
     faults = (parse_schedule(args.schedule) if args.schedule else
               random_schedule(rng, args.faults, args.steps // 10, args.steps * 3 // 4))
+    poisoned = [f"nan-grad@{f.step}:0" for f in faults if f.kind == "nan-grad"]
+    if poisoned:  # decided before the job starts: the workers read it from their environment
+        env[FAULT_VAR] = ",".join(poisoned)
     print(f"chaos: {args.start_nodes} of up to {args.nodes} nodes, store {args.store}, "
           f"{len(faults)} faults: {', '.join(f'{f.kind}@{f.step}' for f in faults)}")
     print(f"chaos: work folder {workdir}")
@@ -399,6 +425,13 @@ def main(argv: list[str] | None = None) -> int:
                 if time.time() > deadline:
                     raise TimeoutError(f"the job did not reach step {fault.step} in time")
                 time.sleep(0.05)
+            if fault.kind == "nan-grad":
+                watch_skip(fault, observer, timeout=60)
+                if fault.at:
+                    print(f"chaos: nan-grad at step {fault.step} skipped")
+                else:
+                    failures.append(f"step {fault.step}, poisoned, was not seen skipped")
+                continue
             if observer.finished():
                 failures.append(f"the job finished before the fault at step {fault.step}")
                 break
@@ -444,6 +477,11 @@ def main(argv: list[str] | None = None) -> int:
                if f.at and f.first_step is None and not f.job_done_first]
     if missing:
         failures.append(f"no completed step seen after: {missing}")
+    hangs = [event_time(e) for e in observer.events() if e["event"] == "hang"]
+    unseen = [f.step for f in faults
+              if f.kind == "hang-worker" and f.at and not any(t > f.at for t in hangs)]
+    if unseen:
+        failures.append(f"no hang recorded in events.jsonl after the SIGSTOPs at steps {unseen}")
 
     print(table([f for f in faults if f.at]))
     if args.json:

@@ -21,7 +21,7 @@ from elastic_mnist.job import DASHBOARD, is_generated_id
 
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
-        "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes"}
+        "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes", "train/nonfinite_steps"}
 RESIZED_RESTARTS = ["g1, world 2\u21921", "g2, world 1\u21922"]
 """The plot's labels of resized_run's two restarts: generation, world size before and after."""
 

@@ -1,0 +1,355 @@
+"""Faults that are not crashes: a hung rank, non-finite steps, a full or read-only checkpoint folder.
+
+Each is made for real: a worker stopped with SIGSTOP under plain torchrun and under jobs/local.sh,
+gradients poisoned through ELASTIC_MNIST_FAULT, a checkpoint writer failing with ENOSPC, a folder
+mounted read-only; then what the run left behind is read.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launch import REPO, clean_env, cli_cmd, run, start, torchrun_cmd
+from shared_runs import args_for, inspect, wait_until, workers
+
+from elastic_mnist import watchdog
+from elastic_mnist.checkpoint import (
+    Checkpointer,
+    CheckpointWriteError,
+    newest_committed_step,
+    nonfinite_entries,
+)
+from elastic_mnist.env import EnvError
+from elastic_mnist.events import read_events
+from elastic_mnist.faults import FAULT_VAR, Fault, Faults, parse
+
+sys.path.insert(0, str(REPO / "scripts"))
+from check_audit import main as check_audit
+
+TRACEBACK = "Traceback (most recent call last)"
+
+
+def audit_records(run_dir: Path) -> list[dict]:
+    records = []
+    for path in sorted((run_dir / "audit").glob("g*-r*.jsonl")):
+        generation = int(path.name[1:].split("-")[0])
+        records += [{**json.loads(line), "generation": generation}
+                    for line in path.read_text().splitlines()]
+    return records
+
+
+def stop_worker(proc, rank: int) -> float:
+    """SIGSTOPs the worker of ``rank``; returns when."""
+    (worker,) = [p for p in workers(proc) if p.environ().get("RANK") == str(rank)]
+    worker.send_signal(signal.SIGSTOP)
+    return time.time()
+
+
+def seconds_to_next_step(run_dir: Path, stopped_at: float) -> float:
+    """From the stop to the first step completed by the restarted group."""
+    later = [r["time"] for r in audit_records(run_dir) if r["generation"] > 0]
+    return min(later) - stopped_at
+
+
+def hang_events(run_dir: Path) -> list[dict]:
+    return [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "hang"]
+
+
+# --- the fault injection itself ---------------------------------------------------------------
+
+
+def test_fault_specs_parse_and_each_fires_once():
+    faults = parse("nan-grad@5:1, hang@12:1,disk-full@20")
+    assert faults == (Fault("nan-grad", 5, 1), Fault("hang", 12, 1), Fault("disk-full", 20, 0))
+    mine = Faults.from_environ(rank=1, restart_count=0, environ={FAULT_VAR: "nan-grad@5:1"})
+    assert [mine.fires("nan-grad", 5), mine.fires("nan-grad", 5)] == [True, False]
+    assert not Faults.from_environ(0, 0, {FAULT_VAR: "nan-grad@5:1"}).fires("nan-grad", 5)
+    restarted = Faults.from_environ(1, 1, {FAULT_VAR: "nan-grad@5:1,hang@6:1,disk-full@7:1"})
+    assert restarted.pending == {("nan-grad", 5)}  # the others would strike again forever
+
+
+@pytest.mark.parametrize("bad", ["nan-grad", "nan-grad@x", "melt@3", "hang@3:one"])
+def test_a_bad_fault_spec_is_one_line(bad):
+    with pytest.raises(EnvError, match=FAULT_VAR) as caught:
+        Faults.from_environ(0, 0, {FAULT_VAR: bad})
+    assert "\n" not in str(caught.value)
+
+
+# --- a full checkpoint folder, in the writer ----------------------------------------------------
+
+
+def state(step: int, value: float = 1.0) -> dict:
+    return {"format": 1, "model": {"w": torch.full((3,), value)},
+            "optimizer": {"state": {0: {"exp_avg": torch.zeros(3)}}, "param_groups": []},
+            "progress": {"step": step, "epoch": 0, "cursor": 0, "samples_seen": step},
+            "world_size": 1, "run_id": "r", "data": {"fingerprint": "f"}}
+
+
+def full_disk_at(step: int):
+    def before_write(at: int) -> None:
+        if at == step:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    return before_write
+
+
+def test_a_full_disk_keeps_the_last_good_checkpoint_and_says_so_in_one_line(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(ckpt, every=1, keep_last=3, restart_generation=0,
+                         before_write=full_disk_at(2))
+    assert saver.maybe_save(lambda: state(1), 1)
+    saver.wait()
+    saver.maybe_save(lambda: state(2), 2)
+    saver._idle.wait()
+    assert saver.failed
+    assert not saver.maybe_save(lambda: state(3), 3)  # nothing more is tried
+    with pytest.raises(CheckpointWriteError) as caught:
+        saver.wait()
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"checkpoint folder {ckpt} is full (No space left on device) saving step 2" in message
+    assert "the last good checkpoint is step 1 (step-00000001.pt, named by latest)" in message
+    assert (ckpt / "latest").read_text().strip() == "step-00000001"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step-00000001.json",
+                                                      "step-00000001.pt"]
+
+
+def test_a_write_that_fails_midway_takes_back_what_it_wrote(tmp_path, monkeypatch):
+    from elastic_mnist import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    saver = Checkpointer(ckpt, every=1, keep_last=3, restart_generation=0)
+    saver.maybe_save(lambda: state(1), 1)
+    saver.wait()
+    real = checkpoint.atomic_write_bytes
+
+    def no_room_for_the_manifest(path, data):
+        if path.suffix == ".json":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_bytes", no_room_for_the_manifest)
+    saver.maybe_save(lambda: state(2), 2, final=False)
+    with pytest.raises(CheckpointWriteError):
+        saver.wait()
+    assert not (ckpt / "step-00000002.pt").exists()  # the payload went with the failed commit
+    assert newest_committed_step(ckpt) == 1
+
+
+def test_non_finite_weights_are_never_saved(tmp_path):
+    saver = Checkpointer(tmp_path, every=1, keep_last=3, restart_generation=0)
+    with pytest.raises(Exception, match=r"refusing to save step 1: model\.w"):
+        saver.maybe_save(lambda: state(1, float("nan")), 1)
+    assert nonfinite_entries(state(1)) == []
+    assert not list(tmp_path.glob("step-*"))
+
+
+# --- non-finite steps ---------------------------------------------------------------------------
+
+
+def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_job(tiny_digits, tmp_path):
+    """One worker: a NaN step is skipped (no update), the count restarts after a finite step, and
+    the third in a row ends the job with one line; every checkpoint written is finite."""
+    args = args_for(tiny_digits, tmp_path, "--checkpoint-every", "1", "--keep-last", "20",
+                    "--run-id", "nan")
+    poisoned = "nan-grad@3,nan-grad@5,nan-grad@6,nan-grad@7"
+    done = run(cli_cmd(*args), env=clean_env(**{FAULT_VAR: poisoned}), timeout=120)
+    assert done.returncode == 2, done.stdout
+    errors = [line for line in done.stdout.splitlines() if "error:" in line]
+    expected = ("elastic-mnist train: error: 3 steps in a row (to step 7) had non-finite loss "
+                "or gradients (rank(s) 0 at the last); none was applied, and no checkpoint was "
+                "written after them (--max-nonfinite-steps 3): lower --lr, or check the data")
+    assert errors == [expected], done.stdout
+    assert TRACEBACK not in done.stdout
+    events = read_events(tmp_path / "runs" / "nan" / "events.jsonl")
+    assert [(e["step"], e["rank"], e["in_a_row"]) for e in events if e["event"] == "nonfinite"] \
+        == [(3, 0, 1), (5, 0, 1), (6, 0, 2), (7, 0, 3)]
+    assert newest_committed_step(tmp_path / "ckpt") == 6
+    for step in range(1, 7):
+        payload = torch.load(tmp_path / "ckpt" / f"step-{step:08d}.pt", weights_only=True)
+        assert nonfinite_entries(payload) == []
+        updates = {s["step"].item() for s in payload["optimizer"]["state"].values()}
+        assert updates == {step - (step >= 3) - (step >= 5) - (step >= 6)}  # skipped: no update
+
+
+# --- a hung rank --------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_a_stopped_worker_costs_seconds_under_plain_torchrun(tiny_digits, tmp_path):
+    """Plain torchrun, two workers, the gradients of rank 1 poisoned at step 3, then rank 1
+    SIGSTOPped after step 10: the group restarts within seconds, not --pg-timeout (set to 300 s
+    here), and the job finishes with every sample used exactly once."""
+    args = args_for(tiny_digits, tmp_path, "--checkpoint-every", "5", "--audit-samples",
+                    "--pg-timeout", "300", "--run-id", "hung", "--epochs", "8")  # 80 steps
+    log = tmp_path / "run.log"
+    proc = start(torchrun_cmd(2, *args, max_restarts=1), log=log,
+                 env=clean_env(**{FAULT_VAR: "nan-grad@3:1"}))
+    wait_until(lambda: newest_committed_step(tmp_path / "ckpt") >= 10, proc)
+    stopped_at = stop_worker(proc, rank=1)
+    assert proc.wait(timeout=240) == 0, log.read_text()
+
+    run_dir = tmp_path / "runs" / "hung"
+    seconds = seconds_to_next_step(run_dir, stopped_at)
+    print(f"plain torchrun: SIGSTOP of rank 1 -> next step of the restarted group: {seconds:.1f} s")
+    assert seconds < 90, seconds  # the watchdog's doing: --pg-timeout alone takes 300 s
+    (hang,) = hang_events(run_dir)
+    assert (hang["rank"], hang["ranks"], hang["reported_by"]) == (1, [1], 0)
+    assert hang["last_step"] >= 10 and hang["deadline_s"] == 10.0
+    events = read_events(run_dir / "events.jsonl")
+    assert [(e["step"], e["ranks"]) for e in events if e["event"] == "nonfinite"] == [(3, [1])]
+    assert check_audit([str(run_dir), "--num-samples", "640"]) == 0
+    assert all(c["valid"] for c in inspect(tmp_path / "ckpt")["checkpoints"])
+    assert TRACEBACK not in log.read_text()
+
+
+@pytest.mark.slow
+def test_a_full_disk_then_a_stopped_store_host_under_jobs_local_sh(tiny_digits, tmp_path):
+    """jobs/local.sh (rank 0's worker serves the group's store): ENOSPC in rank 0's writer at
+    step 10 stops both workers with one line; torchrun restarts them from step 5; then rank 0
+    itself is SIGSTOPped and rank 1 restarts the group; the job finishes."""
+    args = args_for(tiny_digits, tmp_path, "--checkpoint-every", "5", "--audit-samples",
+                    "--hang-timeout", "5", "--run-id", "local", "--epochs", "8",
+                    )[1:]  # jobs/local.sh says `train` itself
+    log = tmp_path / "run.log"
+    proc = start([str(REPO / "jobs" / "local.sh"), *args], log=log,
+                 env=clean_env(**{FAULT_VAR: "disk-full@10", "MAX_RESTARTS": "2",
+                                  "NPROC_PER_NODE": "2",
+                                  "PATH": f"{Path(sys.executable).parent}{os.pathsep}"
+                                          f"{os.environ['PATH']}"}))
+    run_dir = tmp_path / "runs" / "local"
+    wait_until(lambda: sum(e["event"] == "start"
+                           for e in read_events_if_any(run_dir)) == 2, proc)
+    wait_until(lambda: newest_committed_step(tmp_path / "ckpt") >= 15, proc)
+    stopped_at = stop_worker(proc, rank=0)
+    assert proc.wait(timeout=240) == 0, log.read_text()
+
+    out = log.read_text()
+    full = [line for line in out.splitlines() if "is full" in line]
+    expected = (f"elastic-mnist train: error: checkpoint folder {tmp_path / 'ckpt'} is full (No "
+                f"space left on device) saving step 10; the last good checkpoint is step 5 "
+                f"(step-00000005.pt, named by latest); nothing half-written was left")
+    assert full == [expected], out
+    assert TRACEBACK not in out
+    starts = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "start"]
+    assert [s["resumed_from_step"] for s in starts][:2] == [None, 5]
+    (hang,) = hang_events(run_dir)
+    assert (hang["rank"], hang["reported_by"]) == (0, 1)
+    assert hang["deadline_s"] == 5.0
+    seconds = seconds_to_next_step_after(run_dir, stopped_at, generation=2)
+    print(f"jobs/local.sh: SIGSTOP of rank 0 -> next step of the restarted group: {seconds:.1f} s")
+    assert seconds < 90, seconds
+    assert check_audit([str(run_dir), "--num-samples", "640"]) == 0
+    assert not list((tmp_path / "ckpt").glob(".*.tmp"))
+
+
+def read_events_if_any(run_dir: Path) -> list[dict]:
+    path = run_dir / "events.jsonl"
+    return read_events(path) if path.exists() else []
+
+
+def seconds_to_next_step_after(run_dir: Path, stopped_at: float, generation: int) -> float:
+    later = [r["time"] for r in audit_records(run_dir) if r["generation"] >= generation]
+    return min(later) - stopped_at
+
+
+# --- a checkpoint folder that cannot be written -------------------------------------------------
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A folder no process may write into: a read-only tmpfs for root, else mode 0555."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder
+        folder.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)],
+                             capture_output=True, check=False)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a read-only tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_a_read_only_checkpoint_folder_is_said_before_the_first_step(tiny_digits, tmp_path,
+                                                                      read_only_folder):
+    ckpt = read_only_folder / "ckpt"
+    args = ["train", "--dataset", "synthetic", "--data-dir", str(tiny_digits),
+            "--checkpoint-dir", str(ckpt), "--logdir", str(tmp_path / "runs")]
+    done = run(cli_cmd(*args), timeout=60)
+    assert done.returncode == 2, done.stdout
+    assert done.stdout.strip().splitlines()[-1].startswith(
+        f"elastic-mnist train: error: checkpoint folder {ckpt} cannot be written: "), done.stdout
+    assert TRACEBACK not in done.stdout
+    assert not (tmp_path / "runs").exists()  # stopped before the run began
+
+
+# --- the watchdog's verdict, on a real store ----------------------------------------------------
+
+
+class Peer:
+    """Rank 1's heartbeats, written into the store as its watchdog would."""
+
+    def __init__(self, store, busy: str = "", beating: bool = True):
+        self.store, self.busy, self.beating, self.beat = store, busy, beating, 0
+
+    def publish(self) -> None:
+        if self.beating:
+            self.beat += 1
+        self.store.set(f"{watchdog.PREFIX}1", json.dumps(
+            {"rank": 1, "step": 7, "beat": self.beat, "busy": self.busy, "host": "h",
+             "pid": 1, "ppid": 1}))
+
+
+def verdict_with(peer_busy: str, peer_beating: bool):
+    import datetime
+    import threading
+
+    from torch.distributed import TCPStore
+
+    from elastic_mnist.env import DistEnv
+
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=5))
+    dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), store.clone(),
+                            floor_s=0.1, report=lambda record, hung0: None, beat_s=0.05)
+    dog.step = 7
+    peer = Peer(store.clone(), peer_busy, peer_beating)
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(0.02):
+            peer.publish()
+
+    peer.publish()  # as every rank does before its first step
+    thread = threading.Thread(target=beat)
+    thread.start()
+    try:
+        dog._publish()
+        return dog._probe()
+    finally:
+        done.set()
+        thread.join()
+        dog.close()
+
+
+def test_the_watchdog_waits_for_a_busy_peer_and_names_a_silent_one():
+    assert verdict_with(peer_busy="reporting", peer_beating=True) is None
+    silent = verdict_with(peer_busy="", peer_beating=False)
+    assert (silent.suspects, silent.silent) == ([1], [1])
+    deadlock = verdict_with(peer_busy="", peer_beating=True)
+    assert (deadlock.suspects, deadlock.silent) == ([], [])
+    assert deadlock.reason == "every rank alive, none busy, none stepping"
