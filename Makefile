@@ -37,7 +37,8 @@ HOST = localhost
 tensorboard: $(STAMP)
 	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --host $(HOST)
 
-# Simulated nodes on loopback, random faults (CHAOS_ARGS="--seed 3 --faults 8" for others).
+# Simulated nodes on loopback, one fault of each kind at random steps (CHAOS_ARGS="--seed 3
+# --faults 9" for others).
 chaos: $(STAMP)
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 

@@ -150,19 +150,26 @@ class AuditLog:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEnv,
-             batch_size: int = 1000) -> tuple[float, float]:
-    """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce."""
+             batch_size: int = 1000,
+             computing: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
+    """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
+
+    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait).
+    """
     was_training = model.training
     model.eval()
     mine = torch.arange(env.rank, len(digits), env.world_size)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    for indices in torch.split(mine, batch_size):
-        images, labels = digits.batch(indices.to(digits.labels.device))
-        logits = model(images.to(device, non_blocking=True))
-        labels = labels.to(device, non_blocking=True)
-        totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
-        totals[1] += (logits.argmax(1) == labels).sum()
-        totals[2] += labels.numel()
+    with computing or contextlib.nullcontext():
+        for indices in torch.split(mine, batch_size):
+            images, labels = digits.batch(indices.to(digits.labels.device))
+            logits = model(images.to(device, non_blocking=True))
+            labels = labels.to(device, non_blocking=True)
+            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+            totals[1] += (logits.argmax(1) == labels).sum()
+            totals[2] += labels.numel()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the share is computed before the wait begins
     distributed.all_reduce_(totals)
     model.train(was_training)
     loss_sum, correct, count = totals.tolist()
@@ -287,8 +294,10 @@ class Trainer:
         self.watchdog.step_done(self.progress.step + 1, result.seconds)
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
-        with self.watchdog.busy("reporting"):  # saving, evaluating, logging: not a hang
-            epoch_ended = self.advance(len(batch))
+        epoch_ended = self.advance(len(batch))
+        # Work of this rank alone is "busy" for the watchdog (peers wait for it, not for a hung
+        # rank); a collective inside the evaluation is waiting, like a step's.
+        with self.watchdog.busy("logging"):
             self.count_nonfinite(result)
             if not result.nonfinite_ranks:
                 self.window.add(result)
@@ -297,8 +306,9 @@ class Trainer:
                                 self.window.samples_per_s())
             if (self.should_log() or epoch_ended) and self.window.results:
                 self.log_training(self.window.drain())
-            if epoch_ended or self.done():
-                self.log_evaluation()
+        if epoch_ended or self.done():
+            self.log_evaluation()
+        with self.watchdog.busy("checkpointing"):
             if self.checkpointer.maybe_save(self.state, self.progress.step,
                                             epoch_end=epoch_ended,
                                             final=self.done() or result.stop_requested):
@@ -464,12 +474,14 @@ class Trainer:
 
     def log_evaluation(self) -> tuple[float, float]:
         step = self.progress.step
-        loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env)
-        self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
-        if self.env.is_main:
-            self.metrics.image("test/predictions", self.prediction_grid(), step)
-        self.metrics.flush()
-        self.events.emit("eval", step, accuracy=accuracy, loss=loss)
+        loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env,
+                                  computing=self.watchdog.busy("evaluating"))
+        with self.watchdog.busy("logging"):
+            self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
+            if self.env.is_main:
+                self.metrics.image("test/predictions", self.prediction_grid(), step)
+            self.metrics.flush()
+            self.events.emit("eval", step, accuracy=accuracy, loss=loss)
         self.last_eval = (loss, accuracy)
         log.info("epoch %d done: test loss %.4f, test accuracy %.2f%%", self.progress.epoch,
                  loss, 100 * accuracy)

@@ -17,8 +17,10 @@ and this rank is not busy, it reads every heartbeat twice, two beats apart:
 Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl,
 kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM), and
 exits with EXIT_HUNG; the others follow as their collectives fail, and the agents restart the
-group from the last checkpoint. The first step (compiling, loading), evaluations, checkpoint
-saves and data preparation are not steps, and do not count.
+group from the last checkpoint. The first step (compiling, loading) and data preparation come
+before the watchdog is armed; a rank's own share of an evaluation, its checkpoint save and its
+logging are "busy", so that peers waiting for it in a collective wait on. A collective itself is
+never busy: a rank hung during an evaluation is found as during a step.
 """
 
 from __future__ import annotations
