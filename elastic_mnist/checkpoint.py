@@ -19,8 +19,10 @@ import hashlib
 import io
 import json
 import logging
+import os
 import pickle
 import queue
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -147,9 +149,9 @@ def check_writable(directory: Path) -> None:
     directory = Path(directory)
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        probe = directory / ".write-probe"
-        atomic_write_bytes(probe, b"")
-        probe.unlink()
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=directory)  # one per process
+        os.close(fd)
+        os.unlink(probe)
     except OSError as e:
         raise CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
                                    f"{e.strerror or e}") from None

@@ -140,8 +140,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     if outcome == "preempted":
         trainer.events.emit("preempted", step, signal=stop.signal_name)
         trainer.events.close()
-        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d",
-                    step, stop.signal_name, EXIT_PREEMPTED)
+        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
+                    stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     test_loss, test_accuracy = trainer.last_eval or (None, None)
     trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)

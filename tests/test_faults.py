@@ -217,8 +217,7 @@ def test_a_full_disk_then_a_stopped_store_host_under_jobs_local_sh(tiny_digits, 
     step 10 stops both workers with one line; torchrun restarts them from step 5; then rank 0
     itself is SIGSTOPped and rank 1 restarts the group; the job finishes."""
     args = args_for(tiny_digits, tmp_path, "--checkpoint-every", "5", "--audit-samples",
-                    "--hang-timeout", "5", "--run-id", "local", "--epochs", "8",
-                    )[1:]  # jobs/local.sh says `train` itself
+                    "--run-id", "local", "--epochs", "8")[1:]  # jobs/local.sh says `train`
     log = tmp_path / "run.log"
     proc = start([str(REPO / "jobs" / "local.sh"), *args], log=log,
                  env=clean_env(**{FAULT_VAR: "disk-full@10", "MAX_RESTARTS": "2",
@@ -243,7 +242,7 @@ def test_a_full_disk_then_a_stopped_store_host_under_jobs_local_sh(tiny_digits, 
     assert [s["resumed_from_step"] for s in starts][:2] == [None, 5]
     (hang,) = hang_events(run_dir)
     assert (hang["rank"], hang["reported_by"]) == (0, 1)
-    assert hang["deadline_s"] == 5.0
+    assert hang["deadline_s"] == 10.0
     seconds = seconds_to_next_step_after(run_dir, stopped_at, generation=2)
     print(f"jobs/local.sh: SIGSTOP of rank 0 -> next step of the restarted group: {seconds:.1f} s")
     assert seconds < 90, seconds
@@ -282,6 +281,17 @@ def read_only_folder(tmp_path):
         yield folder
     finally:
         subprocess.run(["umount", str(folder)], check=False)
+
+
+def test_every_node_may_check_a_shared_folder_at_once(tmp_path):
+    """Nodes sharing one checkpoint folder all check it as they start: no check trips another."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from elastic_mnist.checkpoint import check_writable
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda _: check_writable(tmp_path / "ckpt"), range(400)))
+    assert list((tmp_path / "ckpt").iterdir()) == []
 
 
 def test_a_read_only_checkpoint_folder_is_said_before_the_first_step(tiny_digits, tmp_path,
