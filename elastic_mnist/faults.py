@@ -3,14 +3,16 @@
 ``ELASTIC_MNIST_FAULT`` holds a comma-separated list of ``KIND@STEP[:RANK]`` (RANK 0 if left out):
 
     nan-grad@STEP:RANK   that rank's gradients of optimizer step STEP become NaN
-    hang@STEP:RANK       that rank stops itself (SIGSTOP) as it begins step STEP, as a deadlocked or
-                         wedged process would: it makes no progress and does not exit
+    hang@STEP:RANK       that rank stops itself (SIGSTOP) as it begins step STEP, as a wedged
+                         process would: no thread of it runs, and it does not exit
+    stall@STEP:RANK      that rank's training thread waits forever as it begins step STEP, as a
+                         deadlocked one would: its other threads run on
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
 
-Each fires at most once per worker process. ``hang`` and ``disk-full`` fire only in a launch's
-first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the attempt torchrun restarts after them runs
-clean, as it would once a real fault has passed, instead of meeting them again forever. A
-``nan-grad`` step that a restart runs again is poisoned again (and skipped again). Nothing here
+Each fires at most once per worker process. ``hang``, ``stall`` and ``disk-full`` fire only in a
+launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the attempt torchrun restarts after
+them runs clean, as it would once a real fault has passed, instead of meeting them again forever.
+A ``nan-grad`` step that a restart runs again is poisoned again (and skipped again). Nothing here
 runs unless the variable is set.
 """
 
@@ -19,14 +21,15 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
-KINDS = ("nan-grad", "hang", "disk-full")
-FIRST_ATTEMPT = ("hang", "disk-full")
+KINDS = ("nan-grad", "hang", "stall", "disk-full")
+FIRST_ATTEMPT = ("hang", "stall", "disk-full")
 
 
 @dataclass(frozen=True)
@@ -73,6 +76,8 @@ class Faults:
     def maybe_hang(self, step: int) -> None:
         if self.fires("hang", step):
             os.kill(os.getpid(), signal.SIGSTOP)
+        if self.fires("stall", step):
+            threading.Event().wait()
 
     def maybe_fill_disk(self, step: int) -> None:
         if self.fires("disk-full", step):

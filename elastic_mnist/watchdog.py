@@ -12,7 +12,9 @@ and this rank is not busy, it reads every heartbeat twice, two beats apart:
 
 - a rank whose beat did not move is hung (stopped, or wedged holding the interpreter);
 - a rank that is busy and alive (saving, evaluating, logging) is waited for: not a hang;
-- live ranks that all wait, none busy, is a deadlock.
+- otherwise a live rank whose training thread is not in a collective (the heartbeat says where it
+  stands) is hung: a deadlock, a read that never returns, a GPU that never finishes. Its own
+  watchdog sees the same and leaves too.
 
 Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl,
 kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM), and
@@ -33,6 +35,8 @@ import logging
 import os
 import platform
 import signal
+import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -71,6 +75,29 @@ class Heartbeat:
     host: str
     pid: int
     ppid: int
+    where: str = ""
+    """The training thread's innermost Python frame: ``file:line function``."""
+    waiting: bool = False
+    """That frame is in torch.distributed or autograd: waiting for peers, not hanging them."""
+
+
+WAITING_IN = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}autograd{os.sep}")
+"""Where a rank blocked in a collective stands (DDP's all-reduce runs inside backward)."""
+
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def training_thread_position(thread_id: int | None) -> tuple[str, bool]:
+    """(where, waiting) of a thread, from its innermost frame outside the standard library."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
+        frame = frame.f_back
+    if frame is None:
+        return "", False
+    code = frame.f_code
+    where = f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
+    return where, any(part in code.co_filename for part in WAITING_IN)
 
 
 @dataclass
@@ -124,6 +151,7 @@ class Watchdog(NullWatchdog):
         self.last_progress = time.monotonic()
         self.beats = 0
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
+        self.training_thread = threading.get_ident()  # the one that builds the watchdog
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -199,8 +227,9 @@ class Watchdog(NullWatchdog):
 
     def _publish(self) -> None:
         self.beats += 1
+        where, waiting = training_thread_position(self.training_thread)
         beat = Heartbeat(rank=self.env.rank, step=self.step, beat=self.beats,
-                         busy=self.busy_with, **self.identity)
+                         busy=self.busy_with, where=where, waiting=waiting, **self.identity)
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
             self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(asdict(beat)))
 
@@ -238,9 +267,10 @@ class Watchdog(NullWatchdog):
             return None
         if silent:
             return Verdict(silent, silent, "no heartbeat (stopped or wedged)", second)
-        steps = {r: second[r].step for r in ranks}
-        behind = [r for r in ranks if steps[r] < max(steps.values())]
-        return Verdict(behind, [], "every rank alive, none busy, none stepping", second)
+        stuck = [r for r in ranks if not second[r].waiting]
+        where = "; ".join(f"rank {r} at {second[r].where}" for r in stuck)
+        return Verdict(stuck, [], f"alive, not in a collective: {where}" if stuck else
+                       "every rank alive and waiting in a collective", second)
 
     def _declare(self, verdict: Verdict) -> None:
         waited = time.monotonic() - self.last_progress
