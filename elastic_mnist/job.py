@@ -159,7 +159,7 @@ def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) 
                         blocking_ms=blocking_ms, bytes=manifest.bytes)
 
 
-def record_hang(trainer: Trainer, run_dir: Path, record: dict, rank_zero_hung: bool) -> None:
+def record_hang(trainer: Trainer, run_dir: Path, record: dict) -> None:
     """The ``hang`` event, from the watchdog thread of the rank that declared it: rank 0's log,
     or, from another rank, the run folder's events.jsonl where this node can see it."""
     if trainer.env.is_main:

@@ -133,8 +133,8 @@ class NullWatchdog:
 
 class Watchdog(NullWatchdog):
     def __init__(self, env: DistEnv, store: Store, floor_s: float,
-                 report: Callable[[dict[str, Any], bool], None], beat_s: float = BEAT_S):
-        """``report(record, rank_zero_suspected)`` writes the ``hang`` event where it can."""
+                 report: Callable[[dict[str, Any]], None], beat_s: float = BEAT_S):
+        """``report(record)`` writes the ``hang`` event where this rank can."""
         self.env, self.store, self.floor_s, self.report = env, store, floor_s, report
         self.beat_s = beat_s
         self.store.set_timeout(STORE_TIMEOUT)
@@ -142,6 +142,7 @@ class Watchdog(NullWatchdog):
         # for it however the store's timeout is set: every store call runs here, bounded.
         self._calls = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="watchdog-store")
         self._pending: concurrent.futures.Future | None = None
+        self._calling = threading.Lock()  # the training thread calls too (first step, absorb)
         self.peers: dict[int, Heartbeat] = {}
         """Every rank's heartbeat as first read: who and where each is, to find it if it hangs."""
         self.recent: collections.deque[float] = collections.deque(maxlen=RECENT_STEPS)
@@ -163,9 +164,10 @@ class Watchdog(NullWatchdog):
 
     def step_done(self, step: int, seconds: float) -> None:
         self.step = step
-        self.recent.append(seconds)
         self.last_progress = time.monotonic()
-        if not self.armed:  # from the first completed step on: compiling and loading are over
+        if self.armed:
+            self.recent.append(seconds)
+        else:  # the first step (compiling, warming up) is no measure of the others
             self.peers = self._table() or {}
             self.armed = True
 
@@ -203,18 +205,18 @@ class Watchdog(NullWatchdog):
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
         """``method(*args)`` on the store, or StoreSilent if it does not answer in time (at once
         while an earlier call still waits for it)."""
-        if self._pending is not None and not self._pending.done():
-            raise StoreSilent
-        self._pending = self._calls.submit(method, *args)
-        try:
-            return self._pending.result(STORE_TIMEOUT.total_seconds())
-        except (concurrent.futures.TimeoutError, RuntimeError) as e:
-            raise StoreSilent from e
+        with self._calling:
+            if self._pending is not None and not self._pending.done():
+                raise StoreSilent
+            self._pending = self._calls.submit(method, *args)
+            try:
+                return self._pending.result(STORE_TIMEOUT.total_seconds())
+            except (concurrent.futures.TimeoutError, RuntimeError) as e:
+                raise StoreSilent from e
 
     # --- the watchdog thread --------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._publish()  # who this rank is, before anything can hang
         while not self._stop.wait(self.beat_s):
             self._publish()
             if not self._overdue():
@@ -284,7 +286,7 @@ class Watchdog(NullWatchdog):
                   "rank(s): %s (%s); leaving so that torchrun restarts the group", waited,
                   self.step, self.deadline_s(), suspects, verdict.reason)
         if first:
-            self.report(record, 0 in verdict.suspects)
+            self.report(record)
         self._kill_stopped_siblings(verdict)
         self._exit()
 

@@ -346,7 +346,7 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True):
     store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=5))
     dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), store.clone(),
-                            floor_s=0.1, report=lambda record, hung0: None, beat_s=0.05)
+                            floor_s=0.1, report=lambda record: None, beat_s=0.05)
     dog.step = 7
     dog.training_thread = None  # not this test's thread: rank 0 stands in a collective
     peer = Peer(store.clone(), peer_busy, peer_beating, peer_waiting)
