@@ -134,7 +134,7 @@ def test_tensorboard_opens_the_custom_scalars_layout_once_after_restarts(resized
     assert served == DASHBOARD
     charted = [tag for charts in served.values() for tags in charts.values() for tag in tags]
     assert sorted(charted) == sorted(TAGS - {"opt/lr"})  # each once, the learning rate aside
-    assert served["loss"] == {"train and test loss": ["train/loss", "test/loss"]}
+    assert served["loss"]["train and test loss"] == ["train/loss", "test/loss"]
     assert served["accuracy"] == {"train and test accuracy": ["train/accuracy", "test/accuracy"]}
     # Every chart's tag pattern finds its one tag in the run, with points.
     for chart in (c for category in layout["category"] for c in category["chart"]):
