@@ -42,7 +42,7 @@ from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
 from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
 from elastic_mnist.progress import progress_display
-from elastic_mnist.trainer import AuditLog, Trainer
+from elastic_mnist.trainer import AuditLog, PeerStopped, Trainer
 from elastic_mnist.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
@@ -180,8 +180,9 @@ def check_checkpoint_folder(checkpoint_dir: Path, env: DistEnv, device: torch.de
         except CheckpointWriteError as e:
             error = e
     if not distributed.all_agree(error is None, device):
-        raise error or CheckpointWriteError("the checkpoint folder cannot be written on another "
-                                            "node; see its log")
+        if error is not None:
+            raise error
+        raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
 
 
 def resolve_run_identity(cfg: TrainConfig, env: DistEnv, device: torch.device) -> tuple[str, int]:
