@@ -97,8 +97,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def report_user_error(command: str, error: Exception) -> int:
-    """Bad input, said in one line on stderr; returns the exit code."""
-    print(f"elastic-mnist {command}: error: {error}", file=sys.stderr)
+    """Bad input, said in one line on stderr; returns the exit code.
+
+    One write of the whole line: ``print`` writes the newline apart, and the lines of workers
+    that share torchrun's output could then run into each other.
+    """
+    sys.stderr.write(f"elastic-mnist {command}: error: {error}\n")
+    sys.stderr.flush()
     return EXIT_USAGE
 
 
