@@ -6,9 +6,10 @@ agent asks. torch's own answer (``torch.distributed.elastic.timer``) needs a var
 agent, which plain torchrun users do not set; this one needs nothing from the launcher.
 
 Every rank runs a thread that, once a second, publishes a heartbeat (last step, a beat counter,
-whether the loop is busy with work that is not a step) in the job's store. When no step has
-completed for the deadline (``--hang-timeout``, or 10x the slowest recent step if that is longer)
-and this rank is not busy, it reads every heartbeat twice, two beats apart:
+whether the loop is busy with work that is not a step) in the job's store. When no step is
+completing within the deadline (``--hang-timeout``, or 10x the slowest recent step if that is
+longer) and this rank is not busy, it reads every heartbeat twice, two beats apart, ending at the
+deadline:
 
 - a rank whose beat did not move is hung (stopped, or wedged holding the interpreter);
 - a rank that is busy and alive (saving, evaluating, logging) is waited for: not a hang;
@@ -57,6 +58,8 @@ BEAT_S = 1.0
 STEPS_PER_DEADLINE = 10
 """The deadline is at least this many of the slowest recent steps."""
 RECENT_STEPS = 100
+PROBE_BEATS = 2
+"""Beats between the probe's two reads of the heartbeats: a live rank's beat moves in them."""
 STORE_TIMEOUT = timedelta(seconds=2)
 PREFIX = "elastic_mnist/watchdog/"
 DECLARED = PREFIX + "hang"
@@ -219,13 +222,16 @@ class Watchdog(NullWatchdog):
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             self._publish()
-            if not self._overdue():
+            if not self._probe_due():
                 continue
             verdict = self._probe()
             if verdict is None:  # a peer is busy, or steps moved meanwhile: a fresh deadline
                 self.last_progress = time.monotonic()
                 continue
-            self._declare(verdict)
+            step = self.step
+            time.sleep(max(0.0, self.deadline_s() - (time.monotonic() - self.last_progress)))
+            if self.step == step and not self.busy_with and not self._stop.is_set():
+                self._declare(verdict)  # at the deadline, not before
 
     def _publish(self) -> None:
         self.beats += 1
@@ -235,9 +241,12 @@ class Watchdog(NullWatchdog):
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
             self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(asdict(beat)))
 
-    def _overdue(self) -> bool:
+    def _probe_due(self) -> bool:
+        """The probe's two reads take PROBE_BEATS beats: they start that long before the
+        deadline, so that a hang is declared at it."""
+        lead = PROBE_BEATS * self.beat_s
         return (self.armed and not self.busy_with and not self._stop.is_set()
-                and time.monotonic() - self.last_progress > self.deadline_s())
+                and time.monotonic() - self.last_progress > self.deadline_s() - lead)
 
     def _table(self) -> dict[int, Heartbeat] | None:
         """Every rank's heartbeat, None if the store does not answer."""
@@ -252,7 +261,7 @@ class Watchdog(NullWatchdog):
     def _probe(self) -> Verdict | None:
         step = self.step
         first = self._table()
-        for _ in range(2):  # beating on, as every live rank does
+        for _ in range(PROBE_BEATS):  # beating on, as every live rank does
             time.sleep(self.beat_s)
             self._publish()
         second = self._table()
