@@ -128,10 +128,10 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
             except RuntimeError:  # a collective failed: quietly, if a peer declared a hang
                 trainer.watchdog.absorb()
                 raise
-        trainer.watchdog.close()
+            finally:  # no step follows: nothing left to watch
+                trainer.watchdog.close()
         checkpointer.wait()
     finally:
-        trainer.watchdog.close()
         checkpointer.close()
         trainer.display.close()
         trainer.metrics.close()

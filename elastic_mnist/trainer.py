@@ -386,13 +386,13 @@ class Trainer:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
         nonfinite = ~torch.isfinite(loss_sum)
-        if self.ddp is None:  # this rank's own gradients, before any sum
+        if self.ddp is not None:  # DDP's hook looked at this rank's gradients before the sum
+            nonfinite |= self.grad_check.nonfinite
+        else:
             grads = [p.grad for p in self.model.parameters() if p.grad is not None]
             nonfinite |= ~torch.isfinite(torch.nn.utils.get_total_norm(grads))
-        else:
-            nonfinite |= self.grad_check.nonfinite
-        if self.ddp is None and self.env.world_size > 1:
-            self._all_reduce_gradients()
+            if self.env.world_size > 1:
+                self._all_reduce_gradients()
 
         # Recorded before the step's last collective: once any rank has finished the step (and
         # may checkpoint it), every rank's record is written, even if its node dies right after.

@@ -33,18 +33,17 @@ from elastic_mnist.events import read_events
 from elastic_mnist.faults import FAULT_VAR, Fault, Faults, parse
 
 sys.path.insert(0, str(REPO / "scripts"))
+from check_audit import load_records
 from check_audit import main as check_audit
 
 TRACEBACK = "Traceback (most recent call last)"
 
 
 def audit_records(run_dir: Path) -> list[dict]:
-    records = []
-    for path in sorted((run_dir / "audit").glob("g*-r*.jsonl")):
-        generation = int(path.name[1:].split("-")[0])
-        records += [{**json.loads(line), "generation": generation}
-                    for line in path.read_text().splitlines()]
-    return records
+    """Every audit record of the run, with its restart generation (check_audit's reading)."""
+    return [{**record, "generation": generation}
+            for generation, steps in load_records(run_dir).items()
+            for records in steps.values() for record in records]
 
 
 def stop_worker(proc, rank: int) -> float:
