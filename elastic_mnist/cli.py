@@ -13,11 +13,8 @@ from pathlib import Path
 from elastic_mnist import rendezvous
 from elastic_mnist.config import ConfigError, add_train_arguments, train_config_from_args
 from elastic_mnist.data.idx import DataError
-from elastic_mnist.env import DistEnv, EnvError
-
-EXIT_USAGE = 2
-USER_ERRORS: tuple[type[Exception], ...] = (EnvError, ConfigError, DataError,
-                                             rendezvous.RendezvousError)
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EXIT_USAGE, USER_ERRORS, report_user_error
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -94,17 +91,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader has what it wanted: a normal end
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-
-
-def report_user_error(command: str, error: Exception) -> int:
-    """Bad input, said in one line on stderr; returns the exit code.
-
-    One write of the whole line: ``print`` writes the newline apart, and the lines of workers
-    that share torchrun's output could then run into each other.
-    """
-    sys.stderr.write(f"elastic-mnist {command}: error: {error}\n")
-    sys.stderr.flush()
-    return EXIT_USAGE
 
 
 def _checkpoint_error() -> type[Exception]:

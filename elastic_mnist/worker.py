@@ -5,10 +5,10 @@ from __future__ import annotations
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_mnist.checkpoint import CheckpointError
-from elastic_mnist.cli import USER_ERRORS, report_user_error
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import USER_ERRORS, report_user_error
 from elastic_mnist.job import run_training
 from elastic_mnist.logs import setup_logging
 from elastic_mnist.trainer import PeerStopped, TrainingDiverged
