@@ -6,12 +6,28 @@ Everything else receives a :class:`DistEnv` as an argument; nothing else reads t
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 
 class EnvError(ValueError):
     """The torchrun environment is missing a variable or contradicts itself."""
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """The c10d rendezvous that torchrun's agents meet at: its store outlives any one node
+    (any but its own host's, unless served by `elastic-mnist rendezvous`)."""
+
+    host: str
+    port: int
+    run_id: str
+    """``--rdzv_id``: the job's name at the store; its keys are kept apart by it."""
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.host}:{self.port}"
 
 
 @dataclass(frozen=True)
@@ -28,6 +44,8 @@ class DistEnv:
     """Number of processes on this node (``LOCAL_WORLD_SIZE``)."""
     group_rank: int = 0
     """Rank of this node among the nodes (``GROUP_RANK``)."""
+    group_world_size: int = 1
+    """Number of nodes (torchrun agents) of the rendezvous round (``GROUP_WORLD_SIZE``)."""
     restart_count: int = 0
     """How many times torchrun restarted this node's workers (``TORCHELASTIC_RESTART_COUNT``)."""
     run_id: str | None = None
@@ -41,6 +59,11 @@ class DistEnv:
     uses_agent_store: bool = False
     """``MASTER_ADDR:MASTER_PORT`` is torchrun's own rendezvous store, shared with the workers
     and kept across restarts (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default)."""
+    rendezvous: Rendezvous | None = None
+    """The multi-node c10d rendezvous torchrun was started with (``--rdzv_endpoint``,
+    ``--rdzv_id``); None for one node (``--standalone``, ``--nnodes=1``), other backends, or
+    when it cannot be read. torchrun hands its workers no variable for it: it is read from the
+    agent's command line, with torchrun's own argument parser."""
 
     @property
     def is_main(self) -> bool:
@@ -58,8 +81,15 @@ class DistEnv:
         return self.launched
 
     @classmethod
-    def from_environ(cls, environ: Mapping[str, str] | None = None) -> DistEnv:
-        """Builds the environment from ``os.environ`` (or ``environ``), raising EnvError if bad."""
+    def from_environ(cls, environ: Mapping[str, str] | None = None,
+                     launcher_argv: Sequence[str] | None = None) -> DistEnv:
+        """Builds the environment from ``os.environ`` (or ``environ``), raising EnvError if bad.
+
+        ``launcher_argv``: the agent's command line (default: read from ``/proc`` for
+        ``os.environ``, none for a given ``environ``).
+        """
+        if launcher_argv is None and environ is None:
+            launcher_argv = agent_command_line()
         env = os.environ if environ is None else environ
         has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
         if has_rank != has_world:
@@ -92,12 +122,14 @@ class DistEnv:
             world_size=world_size,
             local_world_size=local_world_size,
             group_rank=_int(env, "GROUP_RANK", 0, minimum=0),
+            group_world_size=_int(env, "GROUP_WORLD_SIZE", 1, minimum=1),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
             run_id=None if run_id == "none" else run_id,
             master_addr=env.get("MASTER_ADDR") or None,
             master_port=None if master_port is None else _int(env, "MASTER_PORT", minimum=1),
             launched=True,
             uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            rendezvous=rendezvous_of(launcher_argv or ()),
         )
 
     def describe(self) -> str:
@@ -122,3 +154,37 @@ def _int(env: Mapping[str, str], name: str, default: int | None = None, *,
     if value < minimum:
         raise EnvError(f"{name}={value} must be at least {minimum}")
     return value
+
+
+def agent_command_line(pid: int | None = None) -> list[str]:
+    """The command line of the process that started this one (torchrun's agent, when launched
+    by it); empty where ``/proc`` cannot tell."""
+    try:
+        raw = Path(f"/proc/{pid or os.getppid()}/cmdline").read_bytes()
+    except OSError:
+        return []
+    return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
+
+
+def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:
+    """The multi-node c10d rendezvous in a torchrun command line (``torchrun ARGS`` or
+    ``python -m torch.distributed.run ARGS``), parsed as torchrun parses it (its ``PET_*``
+    variables included); None when there is none to outlive a node."""
+    argv = list(argv)
+    start = next((i + 1 for i, arg in enumerate(argv)
+                  if Path(arg).name == "torchrun"
+                  or (arg == "torch.distributed.run" and i > 0 and argv[i - 1] == "-m")), None)
+    if start is None:
+        return None
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+    from torch.distributed.run import get_args_parser  # only under torchrun: torch is there
+
+    try:
+        args, _ = get_args_parser().parse_known_args(argv[start:])
+        host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+    except (SystemExit, ValueError):  # not a command line torchrun would take
+        return None
+    max_nodes = str(args.nnodes).rpartition(":")[2]
+    if args.standalone or args.rdzv_backend != "c10d" or max_nodes == "1" or port == 0:
+        return None
+    return Rendezvous(host, port, args.rdzv_id)
