@@ -1,8 +1,9 @@
 """``<run dir>/events.jsonl``: the run's story, one JSON object per line, for tools and tests.
 
-Rank 0 appends ``start``, ``resize``, ``checkpoint``, ``eval``, ``preempted`` and ``finish``
-records, each with a UTC timestamp and the step, and flushes every line: a kill loses nothing
-already said. Other ranks get a log that writes nothing.
+Rank 0 appends ``start``, ``resize``, ``shrink``, ``checkpoint``, ``eval``, ``nonfinite``,
+``hang``, ``preempted``, ``left`` and ``finish`` records, each with a UTC timestamp and the step,
+and flushes every line: a kill loses nothing already said. Other ranks get a log that writes
+nothing.
 """
 
 from __future__ import annotations
@@ -11,17 +12,24 @@ import datetime
 import json
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
 
 def utc_now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="milliseconds")
+    return utc_time(time.time())
 
 
-def event_time(record: dict[str, Any]) -> float:
-    """A record's time, in seconds since the epoch (``time.time()``'s clock)."""
-    return datetime.datetime.fromisoformat(record["time"]).timestamp()
+def utc_time(seconds: float) -> str:
+    """``time.time()``'s seconds as the records write times: UTC, ISO 8601, milliseconds."""
+    return datetime.datetime.fromtimestamp(seconds, datetime.timezone.utc).isoformat(
+        timespec="milliseconds")
+
+
+def event_time(record: dict[str, Any], key: str = "time") -> float:
+    """A record's time (or another of its times), in seconds since the epoch."""
+    return datetime.datetime.fromisoformat(record[key]).timestamp()
 
 
 class NullEventLog:

@@ -17,13 +17,19 @@ deadline:
   stands) is hung: a deadlock, a read that never returns, a GPU that never finishes. Its own
   watchdog sees the same and leaves too.
 
-Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl,
-kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM), and
-exits with EXIT_HUNG; the others follow as their collectives fail, and the agents restart the
-group from the last checkpoint. The first step (compiling, loading) and data preparation come
-before the watchdog is armed; a rank's own share of an evaluation, its checkpoint save and its
-logging are "busy", so that peers waiting for it in a collective wait on. A collective itself is
-never busy: a rank hung during an evaluation is found as during a step.
+Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl
+and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM).
+Where the survivors can go on in process (membership.py), it hands them the hung ranks' names and
+they go on without them; otherwise it exits with EXIT_HUNG, the others follow as their
+collectives fail, and the agents restart the group from the last checkpoint. The first step
+(compiling, loading) and data preparation come before the watchdog is armed; a rank's own share
+of an evaluation, its checkpoint save and its logging are "busy", so that peers waiting for it in
+a collective wait on. A collective itself is never busy: a rank hung during an evaluation is found
+as during a step.
+
+Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
+the backend: gloo blocks inside the collective, NCCL returns at once and blocks at the next host
+sync, and both are the same wait to the watchdog.
 """
 
 from __future__ import annotations
@@ -81,26 +87,22 @@ class Heartbeat:
     where: str = ""
     """The training thread's innermost Python frame: ``file:line function``."""
     waiting: bool = False
-    """That frame is in torch.distributed or autograd: waiting for peers, not hanging them."""
-
-
-WAITING_IN = (f"torch{os.sep}distributed{os.sep}", f"torch{os.sep}autograd{os.sep}")
-"""Where a rank blocked in a collective stands (DDP's all-reduce runs inside backward)."""
+    """The training thread is inside :meth:`Watchdog.waiting`: waiting for its peers (in a
+    collective, or for a collective's result), not hanging them."""
 
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 
 
-def training_thread_position(thread_id: int | None) -> tuple[str, bool]:
-    """(where, waiting) of a thread, from its innermost frame outside the standard library."""
+def training_thread_position(thread_id: int | None) -> str:
+    """Where a thread stands: its innermost frame outside the standard library."""
     frame = sys._current_frames().get(thread_id) if thread_id is not None else None
     while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
         frame = frame.f_back
     if frame is None:
-        return "", False
+        return ""
     code = frame.f_code
-    where = f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
-    return where, any(part in code.co_filename for part in WAITING_IN)
+    return f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
 
 
 @dataclass
@@ -127,19 +129,30 @@ class NullWatchdog:
     def busy(self, what: str) -> Iterator[None]:
         yield
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        yield
+
     def absorb(self) -> None:
         """Called on a failure of the training loop; returns unless a hang explains it."""
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
         pass
 
 
 class Watchdog(NullWatchdog):
     def __init__(self, env: DistEnv, store: Store, floor_s: float,
-                 report: Callable[[dict[str, Any]], None], beat_s: float = BEAT_S):
-        """``report(record)`` writes the ``hang`` event where this rank can."""
+                 report: Callable[[dict[str, Any]], None], beat_s: float = BEAT_S,
+                 go_on_without: Callable[[list[int], str], None] | None = None,
+                 store_host: int | None = 0):
+        """``report(record)`` writes the ``hang`` event where this rank can;
+        ``go_on_without(ranks, reason)``, where the survivors can go on in process, hands them
+        the hung ranks instead of leaving; ``store_host``: the rank whose process serves
+        ``store`` (None when no rank does)."""
         self.env, self.store, self.floor_s, self.report = env, store, floor_s, report
         self.beat_s = beat_s
+        self.go_on_without = go_on_without
+        self.store_host = store_host
         self.store.set_timeout(STORE_TIMEOUT)
         # A stopped store host accepts connections but never answers, and a socket read waits
         # for it however the store's timeout is set: every store call runs here, bounded.
@@ -152,6 +165,7 @@ class Watchdog(NullWatchdog):
         self.step = 0
         self.armed = False
         self.busy_with = ""
+        self.waiting_for_peers = False
         self.last_progress = time.monotonic()
         self.beats = 0
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
@@ -184,6 +198,16 @@ class Watchdog(NullWatchdog):
             self.busy_with = ""
             self.last_progress = time.monotonic()
 
+    @contextlib.contextmanager
+    def waiting(self) -> Iterator[None]:
+        """The training thread waits for its peers inside the block (a collective, or the host
+        sync that reads its result): if the group hangs, it is not this rank that hangs it."""
+        self.waiting_for_peers = True
+        try:
+            yield
+        finally:
+            self.waiting_for_peers = False
+
     def deadline_s(self) -> float:
         return max(self.floor_s, STEPS_PER_DEADLINE * max(self.recent, default=0.0))
 
@@ -199,9 +223,10 @@ class Watchdog(NullWatchdog):
                       record["reported_by"], record["last_step"])
             self._exit()
 
-    def close(self) -> None:
+    def close(self, wait: bool = True) -> None:
+        """Stops the watchdog; ``wait=False`` does not wait for a store call in flight."""
         self._stop.set()
-        if self._thread.is_alive():
+        if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         self._calls.shutdown(wait=False)
 
@@ -235,9 +260,9 @@ class Watchdog(NullWatchdog):
 
     def _publish(self) -> None:
         self.beats += 1
-        where, waiting = training_thread_position(self.training_thread)
         beat = Heartbeat(rank=self.env.rank, step=self.step, beat=self.beats,
-                         busy=self.busy_with, where=where, waiting=waiting, **self.identity)
+                         busy=self.busy_with, where=training_thread_position(self.training_thread),
+                         waiting=self.waiting_for_peers, **self.identity)
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
             self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(asdict(beat)))
 
@@ -268,7 +293,10 @@ class Watchdog(NullWatchdog):
         if self.step != step or self.busy_with or self._stop.is_set():
             return None
         if first is None or second is None:
-            return Verdict([0], [0], "the store that rank 0 serves does not answer", {})
+            if self.store_host is None:
+                return Verdict([], [], "the coordination store does not answer", {})
+            return Verdict([self.store_host], [self.store_host],
+                           f"the store that rank {self.store_host} serves does not answer", {})
         ranks = range(self.env.world_size)
         silent = [r for r in ranks if r not in first or r not in second
                   or second[r].beat == first[r].beat]
@@ -290,13 +318,20 @@ class Watchdog(NullWatchdog):
                   "reported_by": self.env.rank, "reason": verdict.reason,
                   "waited_s": round(waited, 2), "deadline_s": round(self.deadline_s(), 2)}
         first = self._claim(record)
+        go_on = (self.go_on_without is not None and bool(verdict.suspects)
+                 and self.env.rank not in verdict.suspects)
         suspects = ", ".join(map(str, verdict.suspects)) or "unknown"
         log.error("hang: no step completed for %.1f s after step %d (deadline %.1f s); hung "
-                  "rank(s): %s (%s); leaving so that torchrun restarts the group", waited,
-                  self.step, self.deadline_s(), suspects, verdict.reason)
+                  "rank(s): %s (%s); %s", waited, self.step, self.deadline_s(), suspects,
+                  verdict.reason, "going on without them" if go_on else
+                  "leaving so that torchrun restarts the group")
         if first:
             self.report(record)
         self._kill_stopped_siblings(verdict)
+        if go_on:
+            self.close(wait=False)  # the generation it watched is over
+            self.go_on_without(verdict.suspects, verdict.reason)
+            return
         self._exit()
 
     def _claim(self, record: dict[str, Any]) -> bool:

@@ -334,7 +334,12 @@ class Peer:
              "pid": 1, "ppid": 1, "where": "train.py:1 step", "waiting": self.waiting}))
 
 
-def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True):
+def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
+                 rank0_waits: bool = True):
+    """Rank 0's watchdog's verdict, rank 1 as ``Peer`` says; rank 0's own training thread is a
+    real thread blocked in a host sync that no torch frame shows (as an NCCL rank blocks, the
+    collective having returned at once), inside ``waiting()`` when ``rank0_waits``."""
+    import contextlib
     import datetime
     import threading
 
@@ -347,14 +352,22 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True):
     dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), store.clone(),
                             floor_s=0.1, report=lambda record: None, beat_s=0.05)
     dog.step = 7
-    dog.training_thread = None  # not this test's thread: rank 0 stands in a collective
     peer = Peer(store.clone(), peer_busy, peer_beating, peer_waiting)
-    done = threading.Event()
+    done, blocked = threading.Event(), threading.Event()
+
+    def host_sync() -> None:  # the training thread: blocked outside torch.distributed
+        with dog.waiting() if rank0_waits else contextlib.nullcontext():
+            blocked.set()
+            done.wait()
 
     def beat() -> None:
         while not done.wait(0.02):
             peer.publish()
 
+    training = threading.Thread(target=host_sync)
+    training.start()
+    dog.training_thread = training.ident
+    blocked.wait()
     peer.publish()  # as every rank does before its first step
     thread = threading.Thread(target=beat)
     thread.start()
@@ -364,12 +377,11 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True):
     finally:
         done.set()
         thread.join()
+        training.join()
         dog.close()
 
 
-def test_the_watchdog_waits_for_a_busy_peer_and_names_a_silent_or_stuck_one(monkeypatch):
-    monkeypatch.setattr(watchdog, "training_thread_position",
-                        lambda thread: ("distributed_c10d.py:1 all_reduce", True))
+def test_the_watchdog_waits_for_a_busy_peer_and_names_a_silent_or_stuck_one():
     assert verdict_with(peer_busy="logging", peer_beating=True) is None
     silent = verdict_with(peer_busy="", peer_beating=False)
     assert (silent.suspects, silent.silent) == ([1], [1])
@@ -381,6 +393,18 @@ def test_the_watchdog_waits_for_a_busy_peer_and_names_a_silent_or_stuck_one(monk
     assert waiting.reason == "every rank alive and waiting in a collective"
 
 
+def test_a_rank_blocked_in_a_marked_host_sync_is_waiting_not_hung():
+    """NCCL's collectives return at once; a rank blocks later, in the host sync that reads the
+    result (``.tolist()``), far from torch.distributed's frames. Marked as a wait, it is one:
+    only the peer that is not waiting is named. Unmarked, it would be named too."""
+    stuck = verdict_with(peer_busy="", peer_beating=True, peer_waiting=False)
+    assert stuck.suspects == [1]
+    assert stuck.heartbeats[0].waiting and "test_faults.py" in stuck.heartbeats[0].where
+    unmarked = verdict_with(peer_busy="", peer_beating=True, peer_waiting=False,
+                            rank0_waits=False)
+    assert unmarked.suspects == [0, 1]
+
+
 def test_a_heartbeat_says_where_the_training_thread_stands():
     import threading
 
@@ -389,9 +413,8 @@ def test_a_heartbeat_says_where_the_training_thread_stands():
     thread.start()
     try:
         time.sleep(0.05)
-        where, waiting = watchdog.training_thread_position(thread.ident)
+        where = watchdog.training_thread_position(thread.ident)
     finally:
         release.set()
         thread.join()
     assert "test_faults.py:" in where and where.endswith(" <lambda>"), where  # not threading.py
-    assert not waiting

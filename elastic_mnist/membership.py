@@ -1,0 +1,485 @@
+"""Who is in the group: when a node dies, leaves or freezes, the others go on in the same processes.
+
+torchrun restarts every worker of a job whenever one of them fails. When a whole node goes away,
+though, the agents of the other nodes leave their workers alone (``SimpleElasticAgent._invoke_run``
+restarts a group only when a local worker failed or a node waits to join), so the survivors can
+go on by themselves, without a process start, a new CUDA context or a checkpoint read:
+
+1. **Notice.** Every collective of the training loop is waited on through :meth:`Membership.guard`.
+   A rank whose collective fails (a peer's connection closed), or whose watchdog finds a peer
+   hung, or whose peers asked to leave, *declares* the fault in the coordination store; a watcher
+   thread in every rank sees the declaration and fails that rank's pending collectives at once.
+   gloo cannot abort a collective blocked on a frozen peer (its thread returns at the group's
+   timeout): the rank simply stops waiting for it, and the group is abandoned to its thread.
+2. **Agree on who is left.** Each survivor checks in with where it stands (its committed step,
+   whether it was in the middle of the next). The membership closes as soon as every rank not
+   named in the fault has come, or when no rank has come for ``SETTLE_S`` (the dead never come);
+   the first survivor to close it writes it, and every survivor reads the same list.
+3. **A new group.** Survivors are renumbered in the order of their old ranks (rank 0 stays rank
+   0 while it lives) and build a new process group on a fresh prefix of the coordination store:
+   a new *generation*. The trainer then takes one agreed state (see ``Trainer.adopt``).
+
+The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
+on the agent's command line): it outlives any node but its own host, and every node when it is
+served by ``elastic-mnist rendezvous``. Losing the node that serves it ends the job anyway, since
+the agents themselves can no longer meet. Each launch has a nonce of its own under the run id,
+and each generation a prefix of its own under it, so nothing of an earlier group is read by a
+later one (torchft's per-quorum stores; NVIDIA resiliency-ext's per-iteration prefixes).
+
+If the survivors have not completed a step within ``bound_s`` of the fault, they give up and
+leave, and torchrun restarts the job from its last checkpoint: the worst case is the restart.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import io
+import json
+import logging
+import os
+import pickle
+import platform
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_mnist.distributed import backend_for, end_process
+from elastic_mnist.env import DistEnv
+
+log = logging.getLogger(__name__)
+
+PREFIX = "elastic_mnist"
+SETTLE_S = 0.5
+"""After a fault, how long check-ins must have been quiet before the membership closes without
+the ranks that have not come: the dead never do, and a live rank comes within milliseconds."""
+WATCH_TIMEOUT = datetime.timedelta(hours=24)
+EXIT_GAVE_UP = 124
+"""Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
+restarts its node, and the rendezvous that follows restarts every node."""
+WHY = ("died", "left", "hung")
+"""Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
+
+
+class PeerFailure(RuntimeError):
+    """A collective of the training loop failed, or was given up on: the group changed."""
+
+
+class CannotRecover(Exception):
+    """This rank cannot go on in process; it leaves, and torchrun restarts the job."""
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A worker as its peers find it: where it runs, and which torchrun agent started it."""
+
+    host: str
+    pid: int
+    agent: int
+    """The agent's pid: workers of one node share it."""
+    local_rank: int
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank stood when the fault struck."""
+
+    step: int
+    """Its last committed step."""
+    mid_step: bool
+    """It had begun the next one: that work is lost."""
+    evaluated_step: int
+    """The last step whose evaluation it completed."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The declaration every rank of a generation recovers from: the first one made."""
+
+    why: str
+    suspects: list[int]
+    """Ranks known to be gone: the ones that left, or that the watchdog found hung."""
+    reported_by: int
+    detail: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a recovery returns to the trainer: the new world and how it came to be."""
+
+    env: DistEnv
+    generation: int
+    old_world_size: int
+    lost: list[dict[str, Any]]
+    """``{"rank", "host", "why"}`` for each rank of the old generation that is not in the new."""
+    why: str
+    step: int
+    """The agreed step: the newest one a survivor committed."""
+    holder: int
+    """The new rank whose state every survivor takes: the first one at the agreed step."""
+    steps_redone: int
+    """1 when a survivor had begun the step after the agreed one, whose work is lost; else 0."""
+    evaluated_step: int
+    """The last step whose evaluation the new rank 0 completed (and logged)."""
+    detected: float
+    """``time.monotonic()`` when this rank learned of the fault."""
+    detected_at: float
+    """``time.time()`` then."""
+
+
+class NullMembership:
+    """No recovery in process (one node, ``--recovery restart``, NCCL under ``auto``): collectives
+    are waited on as they are, and a failure ends the worker as it always did."""
+
+    in_process = False
+    faulted: Fault | None = None
+    broken: str | None = None
+    """Why this generation's collectives fail (None while it is whole): a fault was declared, or
+    a collective failed."""
+
+    def guard(self, future: torch.futures.Future) -> torch.futures.Future:
+        return future
+
+    def declare(self, why: str, suspects: list[int], detail: str = "") -> Fault | None:
+        return None
+
+    def recover(self, position: Position, why: str = "died", suspects: tuple[int, ...] = (),
+                detail: str = "") -> Change:
+        raise CannotRecover("recovery in process is off")
+
+    def recovered(self) -> None:
+        """The first step after a change completed."""
+
+    def generation_store(self) -> dist.Store | None:
+        return None
+
+    def release_agents(self) -> None:
+        """At the job's end: nothing to release."""
+
+    def close(self) -> None:
+        pass
+
+
+class Membership(NullMembership):
+    """One worker's view of its group: the generation, the agreement on the next, the new group.
+
+    Lives as long as the process; its generation moves on at each change.
+    """
+
+    in_process = True
+
+    def __init__(self, env: DistEnv, device: torch.device, store: dist.Store, generation: int,
+                 pg_timeout_s: float, bound_s: float):
+        """``store``: the coordination store, under this launch's own prefix; ``bound_s``: how
+        long after a fault the survivors may take to complete a step before they give up."""
+        self.env, self.device = env, device
+        self.store = store
+        self.generation = generation
+        self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
+        self.bound_s = bound_s
+        self.launch_agents = env.group_world_size
+        """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
+        self.agents = {(self.identity.host, self.identity.agent)}
+        """The agents of the current generation's members."""
+        self.faulted = None
+        self.broken = None
+        self._lock = threading.RLock()
+        self._pending: set[torch.futures.Future] = set()
+        self._declaring = threading.Lock()
+        self._declare_store = store.clone()  # the watchdog's thread declares too
+        self._deadline: threading.Timer | None = None
+        self._closed = False
+        self._start_generation()
+
+    # --- the generation's keys --------------------------------------------------------------------
+
+    def generation_store(self, generation: int | None = None) -> dist.Store:
+        """This generation's own prefix of the coordination store (a connection of its own)."""
+        return dist.PrefixStore(f"g{self.generation if generation is None else generation}",
+                                self.store.clone())
+
+    def _key(self, name: str, generation: int | None = None) -> str:
+        return f"g{self.generation if generation is None else generation}/{name}"
+
+    def _start_generation(self) -> None:
+        self.store.set(self._key(f"id/{self.env.rank}"), json.dumps(asdict(self.identity)))
+        threading.Thread(target=self._watch, args=(self.generation, self.env.rank), daemon=True,
+                         name=f"membership-watch-g{self.generation}").start()
+
+    def _watch(self, generation: int, rank: int) -> None:
+        """Waits to be woken (by a declaration, or by :meth:`close`); then, for a declared fault,
+        gives up on every collective of the generation."""
+        store = self.store.clone()
+        store.set_timeout(WATCH_TIMEOUT)
+        try:
+            store.wait([self._key(f"wake/{rank}", generation)])
+            if self._closed:
+                return
+            fault = Fault(**json.loads(store.get(self._key("fault", generation))))
+        except Exception as e:  # noqa: BLE001 - the coordination store went: nothing to agree on
+            log.warning("the coordination store does not answer (%s); a lost node now ends "
+                        "the job", _first_line(e))
+            return
+        if generation == self.generation:
+            self.abort(fault)
+
+    def close(self) -> None:
+        """Stops watching (the job has ended)."""
+        self._closed = True
+        with contextlib.suppress(RuntimeError):
+            self.store.set(self._key(f"wake/{self.env.rank}"), "closed")
+
+    # --- collectives that can be given up on ------------------------------------------------------
+
+    def guard(self, future: torch.futures.Future) -> torch.futures.Future:
+        """``future`` as one this rank can stop waiting for: it fails with PeerFailure when the
+        collective fails, and as soon as any rank declares a fault in this generation."""
+        mine: torch.futures.Future = torch.futures.Future()
+        with self._lock:
+            if self.broken is not None:
+                raise PeerFailure(self.broken)
+            self._pending.add(mine)
+
+        def settle(done: torch.futures.Future) -> None:
+            try:
+                value, error = done.value(), None
+            except Exception as e:  # noqa: BLE001 - the backend's error, handed to the waiter
+                value, error = None, e
+            with self._lock:
+                self._pending.discard(mine)
+                if mine.done():  # given up on already
+                    return
+                if error is None:
+                    mine.set_result(value)
+                    return
+                self.broken = self.broken or f"a collective failed: {_first_line(error)}"
+                mine.set_exception(PeerFailure(self.broken))
+
+        future.add_done_callback(settle)
+        return mine
+
+    def abort(self, fault: Fault) -> None:
+        """Fails every collective this rank waits for, and every later one of the generation."""
+        with self._lock:
+            if self.faulted is None:
+                self.faulted = fault
+                self.broken = f"the group changed: ranks {fault.why} (reported by rank " \
+                              f"{fault.reported_by})"
+            pending, self._pending = self._pending, set()
+            for future in pending:
+                if not future.done():
+                    future.set_exception(PeerFailure(self.broken))
+        if backend_for(self.device) == "nccl" and dist.is_initialized():
+            # NCCL, unlike gloo, can abort the collectives in flight.
+            dist.distributed_c10d._abort_process_group()
+
+    def declare(self, why: str, suspects: list[int], detail: str = "") -> Fault:
+        """This rank's verdict, unless another rank's came first: the generation's one fault."""
+        fault = Fault(why, sorted(suspects), self.env.rank, detail, time.time())
+        value = json.dumps(asdict(fault))
+        with self._declaring:
+            agreed = self._declare_store.compare_set(self._key("fault"), "", value)
+            # Every rank that declares wakes every rank: one that dies between the two writes
+            # leaves the waking to the others.
+            wake = [self._key(f"wake/{r}") for r in range(self.env.world_size)]
+            self._declare_store.multi_set(wake, ["fault"] * len(wake))
+        return Fault(**json.loads(agreed))
+
+    # --- recovery ---------------------------------------------------------------------------------
+
+    def recover(self, position: Position, why: str = "died", suspects: tuple[int, ...] = (),
+                detail: str = "") -> Change:
+        """Agrees with the other survivors on who is left, and builds their new process group.
+
+        Returns the change; raises CannotRecover when this rank is not among the survivors or
+        the coordination store does not answer.
+        """
+        detected, detected_at = time.monotonic(), time.time()
+        self._arm_deadline()
+        try:
+            fault = self.declare(why, list(suspects), detail)
+            self.abort(fault)
+            self.store.set(self._key(f"in/{self.env.rank}"), json.dumps(asdict(position)))
+            self.store.add(self._key("arrivals"), 1)
+            expected = set(range(self.env.world_size)) - set(fault.suspects)
+            members = close_membership(self.store, self._key(""), expected, fault.suspects,
+                                       SETTLE_S)
+            if self.env.rank not in members:
+                raise CannotRecover(f"the other ranks went on without this one (rank "
+                                    f"{self.env.rank}) after the fault at generation "
+                                    f"{self.generation}")
+            identities = self._identities()
+            positions = [Position(**json.loads(value)) for value in self.store.multi_get(
+                [self._key(f"in/{r}") for r in members])]
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            raise CannotRecover(f"the coordination store does not answer: {_first_line(e)}") \
+                from None
+        step = max(p.step for p in positions)
+        env = successor_env(self.env, members, identities)
+        lost = [{"rank": r, "host": identities[r].host,
+                 "why": fault.why if r in fault.suspects else "died"}
+                for r in range(self.env.world_size) if r not in members]
+        change = Change(env=env, generation=self.generation + 1,
+                        old_world_size=self.env.world_size, lost=lost, why=fault.why, step=step,
+                        holder=next(i for i, p in enumerate(positions) if p.step == step),
+                        steps_redone=int(any(p.mid_step and p.step == step for p in positions)),
+                        evaluated_step=positions[0].evaluated_step, detected=detected,
+                        detected_at=detected_at)
+        self._next_generation(change, identities, members)
+        return change
+
+    def _identities(self) -> dict[int, Identity]:
+        """Every rank's identity as it published it; a rank lost before it could is unknown."""
+        found = {}
+        for rank in range(self.env.world_size):
+            key = self._key(f"id/{rank}")
+            found[rank] = (Identity(**json.loads(self.store.get(key)))
+                           if self.store.check([key]) else Identity("unknown", 0, 0, 0))
+        return found
+
+    def _next_generation(self, change: Change, identities: dict[int, Identity],
+                         members: list[int]) -> None:
+        """Leaves the failed group to its threads and joins the survivors' new one."""
+        if dist.is_initialized():
+            # gloo's threads may still wait in the old group (for a frozen peer, until its
+            # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
+            dist.destroy_process_group()
+        self.env, self.generation = change.env, change.generation
+        self.agents = {(identities[r].host, identities[r].agent) for r in members}
+        with self._lock:
+            self.faulted = self.broken = None
+        self._start_generation()
+        dist.init_process_group(
+            backend=backend_for(self.device), timeout=self.pg_timeout,
+            store=dist.PrefixStore(self._key("pg"), self.store.clone()), rank=self.env.rank,
+            world_size=self.env.world_size,
+            device_id=self.device if self.device.type == "cuda" else None)
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None:
+            self._deadline = threading.Timer(self.bound_s, self._give_up)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def recovered(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def _give_up(self) -> None:
+        log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
+                  "restarts the job from its last checkpoint", self.bound_s)
+        end_process(EXIT_GAVE_UP)
+
+    # --- the job's end ----------------------------------------------------------------------------
+
+    def release_agents(self) -> None:
+        """Arrives at torchrun's exit barrier for the agents that never will (their node died,
+        left, or froze), so that the surviving agents exit as soon as their workers have, instead
+        of waiting ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end."""
+        missing = self.launch_agents - len(self.agents)
+        if missing <= 0 or not self.env.is_main or self.env.rendezvous is None:
+            return
+        run_id = self.env.rendezvous.run_id
+        try:
+            round_ = rendezvous_round(self.store, run_id)
+            arrive_at_exit_barrier(self.store, run_id, round_, missing, self.launch_agents)
+        except (RuntimeError, pickle.UnpicklingError, ValueError) as e:
+            log.warning("could not release the agents of the nodes that are gone (%s): the "
+                        "others wait for them up to torchrun's exit barrier timeout (300 s)",
+                        _first_line(e))
+            return
+        log.info("arrived at the exit barrier of rendezvous round %d for %d agent(s) that are "
+                 "gone", round_, missing)
+
+
+def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
+                     settle_s: float) -> list[int]:
+    """The survivors, as the first rank to close the membership saw them: every rank that checked
+    in (``{prefix}in/<rank>``) once all ``expected`` have, or once none has come for
+    ``settle_s``; never one of ``excluded``."""
+    key = f"{prefix}members"
+    count, present, quiet_since = -1, set(), time.monotonic()
+    while not store.check([key]):
+        arrivals = store.add(f"{prefix}arrivals", 0)
+        if arrivals != count:
+            count, quiet_since = arrivals, time.monotonic()
+            present = {rank for rank in expected | set(excluded)
+                       if store.check([f"{prefix}in/{rank}"])} - set(excluded)
+        if present >= expected or time.monotonic() - quiet_since >= settle_s:
+            store.compare_set(key, "", json.dumps(sorted(present)))
+            break
+        time.sleep(0.005)
+    return json.loads(store.get(key))
+
+
+def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:
+    """This rank's place among the survivors: ranks in the order of the old ones, local ranks
+    among the survivors started by the same agent, node ranks in the order nodes first appear."""
+    mine = identities[env.rank]
+    node = (mine.host, mine.agent)
+    siblings = [r for r in members if (identities[r].host, identities[r].agent) == node]
+    nodes = list(dict.fromkeys((identities[r].host, identities[r].agent) for r in members))
+    return dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members),
+                               local_rank=siblings.index(env.rank),
+                               local_world_size=len(siblings), group_rank=nodes.index(node),
+                               group_world_size=len(nodes))
+
+
+# --- torchrun's own records, read and written as its agents do -------------------------------------
+
+
+class _StateUnpickler(pickle.Unpickler):
+    """The rendezvous state is a pickle (``_BackendRendezvousStateHolder``): only its own
+    classes are loaded, never anything else a store's writer might have put there."""
+
+    ALLOWED = frozenset({
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
+        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
+        ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta")})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"unexpected {module}.{name} in the rendezvous state")
+        return super().find_class(module, name)
+
+
+def rendezvous_round(store: dist.Store, run_id: str) -> int:
+    """The round of the c10d rendezvous ``run_id`` that its agents are in, read from the state
+    they keep in ``store`` (the raw store, no prefix)."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    found = C10dRendezvousBackend(_unprefixed(store), run_id).get_state()
+    if found is None:
+        raise ValueError(f"no rendezvous state for {run_id}")
+    return _StateUnpickler(io.BytesIO(found[0])).load().round
+
+
+def arrive_at_exit_barrier(store: dist.Store, run_id: str, round_: int, count: int,
+                           agents: int) -> None:
+    """Counts ``count`` arrivals at the exit barrier that the ``agents`` agents of rendezvous
+    round ``round_`` wait in at their end, as each of them does for itself
+    (``torch.distributed.elastic.utils.store.barrier`` under the round's prefix)."""
+    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
+    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
+
+    barrier = dist.PrefixStore(f"torch.rendezvous.{run_id}.{round_}", _unprefixed(store))
+    arrived = barrier.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, count)
+    if arrived == agents:  # the last arrival lets everyone go, as the last agent would
+        barrier.set(_TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN, "<val_ignored>")
+
+
+def _unprefixed(store: dist.Store) -> dist.Store:
+    return store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,196 @@
+"""The membership protocol's pieces, on real TCPStores and real futures, in one process: who closes
+the membership and when, how the survivors are renumbered, collectives given up on, torchrun's
+own records read and written as its agents do. The whole of it, with real torchrun agents and
+real signals, is tests/test_multinode.py."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pickle
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+from elastic_mnist.env import DistEnv, rendezvous_of
+from elastic_mnist.membership import (
+    Fault,
+    Identity,
+    Membership,
+    PeerFailure,
+    arrive_at_exit_barrier,
+    close_membership,
+    rendezvous_round,
+    successor_env,
+)
+from elastic_mnist.trainer import StepFlags
+
+TIMEOUT = datetime.timedelta(seconds=10)
+
+
+@pytest.fixture
+def store() -> TCPStore:
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+
+
+@pytest.fixture
+def members(store):
+    """Memberships of ranks of one generation, closed at the end (their watchers stop)."""
+    made: list[Membership] = []
+
+    def make(rank: int = 0, world_size: int = 2) -> Membership:
+        env = DistEnv(rank=rank, world_size=world_size, launched=True)
+        made.append(Membership(env, torch.device("cpu"), PrefixStore("launch", store.clone()),
+                               generation=0, pg_timeout_s=10, bound_s=60))
+        return made[-1]
+
+    yield make
+    for member in made:
+        member.close()
+
+
+def check_in(store, rank: int) -> None:
+    store.set(f"g0/in/{rank}", "{}")
+    store.add("g0/arrivals", 1)
+
+
+def test_the_membership_closes_at_once_when_every_expected_rank_has_come(store):
+    for rank in (0, 1, 3):
+        check_in(store, rank)
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2], settle_s=30)
+    assert members == [0, 1, 3] and time.monotonic() - start < 5  # not the settle time
+
+
+def test_the_dead_are_left_out_once_the_check_ins_are_quiet(store):
+    check_in(store, 0)
+    late = threading.Timer(0.3, check_in, (store.clone(), 2))  # resets the quiet window
+    late.start()
+    members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[], settle_s=0.6)
+    late.join()
+    assert members == [0, 2]  # 1 and 3 never came
+    check_in(store, 1)  # too late: the membership is closed, and the same for everyone
+    assert close_membership(store.clone(), "g0/", {0, 1, 2, 3}, [], settle_s=0.6) == [0, 2]
+
+
+def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store):
+    for rank in (0, 1):
+        check_in(store, rank)
+    assert close_membership(store, "g0/", expected={0}, excluded=[1], settle_s=0.6) == [0]
+
+
+def test_survivors_are_renumbered_in_the_order_of_their_old_ranks():
+    identities = {rank: Identity(host, 100 + rank, agent, local)
+                  for rank, (host, agent, local) in enumerate(
+                      [("a", 10, 0), ("a", 10, 1), ("b", 20, 0), ("b", 20, 1), ("c", 30, 0)])}
+    env = DistEnv(rank=4, world_size=5, local_rank=0, local_world_size=1, group_rank=2,
+                  group_world_size=3, launched=True)
+    new = successor_env(env, [1, 4], identities)  # node b and rank 0 lost
+    assert (new.rank, new.world_size, new.local_rank, new.local_world_size) == (1, 2, 0, 1)
+    assert (new.group_rank, new.group_world_size, new.launched) == (1, 2, True)
+    first = successor_env(DistEnv(rank=1, world_size=5, local_rank=1, local_world_size=2,
+                                  launched=True), [1, 4], identities)
+    assert (first.rank, first.local_rank, first.local_world_size, first.is_main) == (0, 0, 1, True)
+
+
+def test_a_declared_fault_fails_every_pending_and_later_wait(members):
+    mine, theirs = members(0), members(1)
+    pending = torch.futures.Future()
+    guarded = mine.guard(pending)
+    fault = theirs.declare("hung", [1], "no heartbeat")
+    assert mine.declare("died", [], "late") == fault  # the first declaration stands
+    with pytest.raises(PeerFailure, match="hung"):
+        guarded.wait()  # the watcher gave up on it: the collective itself never returned
+    with pytest.raises(PeerFailure):
+        mine.guard(torch.futures.Future())
+    pending.set_result([torch.ones(1)])  # the abandoned collective ending later changes nothing
+    assert isinstance(fault, Fault) and fault.suspects == [1]
+
+
+def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
+    member = members()
+    done, failing = torch.futures.Future(), torch.futures.Future()
+    ok, bad = member.guard(done), member.guard(failing)
+    done.set_result([torch.ones(1)])
+    assert torch.equal(ok.wait()[0], torch.ones(1)) and member.broken is None
+    failing.set_exception(RuntimeError("[pair.cc:545] Read error: Connection reset by peer"))
+    with pytest.raises(PeerFailure, match="Connection reset by peer"):
+        bad.wait()
+    assert member.broken.startswith("a collective failed")
+
+
+def test_the_step_flags_are_written_in_place_and_read_back_summed():
+    ranks = [StepFlags(rank, 3, torch.device("cpu")) for rank in range(3)]
+    tensor = ranks[1].tensor
+    assert ranks[1].write(checkpoint_failed=False, leave_vote=False, stop=True,
+                          nonfinite=torch.tensor(False)) is tensor  # allocated once
+    total = sum(flags.write(checkpoint_failed=rank == 0, leave_vote=rank == 2, stop=rank != 1,
+                            nonfinite=torch.tensor(rank == 2)).clone()
+                for rank, flags in enumerate(ranks))
+    assert ranks[0].read(total.tolist()) == (True, True, [0, 2], [2])
+
+
+def test_the_rendezvous_is_read_from_the_agent_command_line():
+    line = ["/v/bin/python", "/v/bin/torchrun", "--nnodes=1:4", "--nproc_per_node=8",
+            "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400", "--rdzv_id=job7",
+            "--max_restarts=3", "-m", "elastic_mnist", "train", "--rdzv_id=not-this"]
+    found = rendezvous_of(line)
+    assert (found.host, found.port, found.run_id, found.endpoint) == \
+        ("head", 29400, "job7", "head:29400")
+    module = ["python", "-m", "torch.distributed.run", *line[2:]]
+    assert rendezvous_of(module) == found
+    default_port = [arg.replace("head:29400", "head") for arg in line]
+    assert rendezvous_of(default_port).port == 29400
+    for one_node in (["python", "-m", "torch.distributed.run", "--standalone",
+                      "--nproc_per_node=2", "-m", "elastic_mnist", "train"],
+                     [*line[:2], "--nnodes=1", *line[3:]],
+                     [a.replace("c10d", "static") for a in line], ["bash", "jobs/local.sh"]):
+        assert rendezvous_of(one_node) is None, one_node
+    environ = {"RANK": "0", "WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "3"}
+    env = DistEnv.from_environ(environ, launcher_argv=line)
+    assert env.rendezvous == found and env.group_world_size == 3
+
+
+def test_the_exit_barrier_is_released_for_the_agents_that_are_gone(store):
+    """What torchrun's agents keep in the store, written by torch's own classes, read back; the
+    barrier they wait in at their end, counted as torch's barrier counts it."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+    from torch.distributed.elastic.utils.store import barrier
+
+    state = _RendezvousState()
+    state.round = 3
+    C10dRendezvousBackend(store, "job7").set_state(pickle.dumps(state))
+    assert rendezvous_round(PrefixStore("elastic_mnist/job7/x", store), "job7") == 3
+    round_store = PrefixStore("torch.rendezvous.job7.3", store.clone())
+    agent = threading.Thread(target=barrier, args=(round_store, 3,
+                                                   "torchelastic/agent/terminal_state", 20))
+    agent.start()  # the one surviving agent of three waits for the two that are gone
+    arrive_at_exit_barrier(store, "job7", 3, count=2, agents=3)
+    agent.join(timeout=10)
+    assert not agent.is_alive()
+
+
+def test_a_rendezvous_state_that_holds_anything_else_is_refused(store):
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+
+    C10dRendezvousBackend(store, "job7").set_state(pickle.dumps(_Exploit()))
+    with pytest.raises(pickle.UnpicklingError, match="posix.system|os.system"):
+        rendezvous_round(store, "job7")
+
+
+class _Exploit:
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("true",))
+
+
+def test_identities_of_ranks_lost_before_they_said_who_they_were_are_unknown(store, members):
+    member = members(rank=0, world_size=3)
+    found = member._identities()
+    assert found[0].pid > 0 and found[1].host == found[2].host == "unknown"
+    assert json.loads(store.get("launch/g0/id/0"))["pid"] == found[0].pid
