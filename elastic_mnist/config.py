@@ -105,8 +105,12 @@ class RunConfig:
     pg_timeout: float = 120.0
     """Seconds a collective may wait for a peer before the job fails (instead of hanging)."""
     hang_timeout: float = 10.0
-    """Least seconds without a completed step before a rank counts as hung and the group is
-    restarted; the deadline grows to 10x the slowest recent step (0: no watchdog)."""
+    """Least seconds without a completed step before a rank counts as hung and the group goes
+    on without it; the deadline grows to 10x the slowest recent step (0: no watchdog)."""
+    recovery: Literal["auto", "in-process", "restart"] = "auto"
+    """When a node dies, leaves or freezes: the survivors go on in their own processes
+    (in-process), or torchrun restarts every worker from the last checkpoint (restart). auto:
+    in process on gloo under a multi-node c10d rendezvous, by restart on NCCL and on one node."""
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""
@@ -145,6 +149,9 @@ class TrainConfig:
                             ("--hang-timeout", self.run.hang_timeout)):
             if value < 0:
                 raise ConfigError(f"{flag} must not be negative, got {value}")
+        if self.run.recovery == "in-process" and self.run.hang_timeout <= 0:
+            raise ConfigError("--recovery in-process needs the watchdog to bound every wait: "
+                              "give --hang-timeout a positive value")
         if o.micro_batch_size > o.global_batch_size:
             raise ConfigError(
                 f"--micro-batch-size ({o.micro_batch_size}) exceeds --global-batch-size "

@@ -62,7 +62,8 @@ def process_group(env: DistEnv, device: torch.device,
         yield (store.clone() if store is not None else
                dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout))
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a recovery in process may have replaced it, or failed to
+            dist.destroy_process_group()
 
 
 def end_process(code: int) -> NoReturn:

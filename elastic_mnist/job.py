@@ -5,8 +5,10 @@ from __future__ import annotations
 import datetime
 import logging
 import platform
+import secrets
 import sys
 import uuid
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
@@ -35,10 +37,12 @@ from elastic_mnist.data.datasets import (
     prepare,
 )
 from elastic_mnist.data.fingerprint import SHORT
+from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import EventLog
 from elastic_mnist.faults import Faults
-from elastic_mnist.logs import add_file_handler
+from elastic_mnist.logs import add_file_handler, setup_logging
+from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
 from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
 from elastic_mnist.progress import progress_display
@@ -62,9 +66,11 @@ DASHBOARD = {  # TensorBoard's custom scalars tab: {category: {chart: its tags}}
 
 def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                  store: dist.Store | None = None) -> int:
-    """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED).
+    """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED), or
+    leaves while the others go on (EXIT_PREEMPTED too: this node was asked to stop).
 
-    ``store`` (the process group's, None in a single process) carries the watchdog's heartbeats.
+    ``store`` (the process group's, None in a single process) carries the watchdog's heartbeats
+    where the survivors of a lost node cannot go on in process.
     """
     checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
     faults = Faults.from_environ(env.rank, env.restart_count)
@@ -81,15 +87,11 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         log.warning("%s", SYNTHETIC_WARNING)
     log.info("data: %s", dataset.describe())
 
-    audit_path = run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
-    checkpointer = (Checkpointer(checkpoint_dir, every=cfg.checkpoint.checkpoint_every,
-                                 keep_last=cfg.checkpoint.keep_last,
-                                 restart_generation=generation,
-                                 before_write=faults.maybe_fill_disk)
-                    if env.is_main else NullCheckpointer())
+    duties = Duties(cfg, run_id, run_dir, checkpoint_dir, store,
+                    start_membership(cfg, env, device, generation))
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
-                      checkpointer=checkpointer,
-                      audit=AuditLog(audit_path if cfg.run.audit_samples else None))
+                      checkpointer=duties.checkpointer(env, generation, faults),
+                      audit=duties.audit(env, generation), membership=duties.membership)
     trainer.faults = faults
     resume = find_resume_payload(checkpoint_dir, env, device)
     if resume is not None:
@@ -99,29 +101,23 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                  "%d, now %d)", source, trainer.progress.step, trainer.progress.epoch,
                  trainer.progress.cursor, payload["world_size"], env.world_size)
     step = trainer.progress.step
-    if env.is_main:
-        # Steps after the checkpoint were lost with the old workers: hide what they logged.
-        trainer.metrics = TensorBoardMetrics(run_dir, purge_step=step + 1)
-        trainer.events = EventLog(run_dir / "events.jsonl")
-        trainer.display = progress_display(env.is_main, trainer.total_steps, step,
-                                           env.world_size)
-        checkpointer.on_commit = partial(record_checkpoint, trainer)
+    # Steps after the checkpoint were lost with the old workers: hide what they logged.
+    duties.report(trainer, purge_step=step + 1)
     trainer.metrics.layout(DASHBOARD)
     trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     trainer.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
                              "dataset_kind": dataset.kind}, HPARAM_METRICS)
     trainer.events.emit("start", step, world_size=env.world_size, restart_generation=generation,
                         resumed_from_step=trainer.resumed_from, run_id=run_id,
-                        torchelastic_restart_count=env.restart_count, dataset=dataset.kind)
+                        torchelastic_restart_count=env.restart_count, dataset=dataset.kind,
+                        recovery="in-process" if duties.membership.in_process else "restart")
     if resume is not None and payload["world_size"] != env.world_size:
         trainer.events.emit("resize", step, old_world_size=payload["world_size"],
                             new_world_size=env.world_size)
 
-    if store is not None and cfg.run.hang_timeout > 0:
-        trainer.watchdog = Watchdog(env, store, cfg.run.hang_timeout,
-                                    report=partial(record_hang, trainer, run_dir))
+    duties.watch(trainer)
+    trainer.on_change = partial(duties.hand_over, trainer)
     try:
-        trainer.watchdog.start()
         with stop_on_signals() as stop:
             try:
                 outcome = trainer.fit(stop)
@@ -130,24 +126,132 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                 raise
             finally:  # no step follows: nothing left to watch
                 trainer.watchdog.close()
-        checkpointer.wait()
+        trainer.checkpointer.wait()
     finally:
-        checkpointer.close()
+        trainer.checkpointer.close()
         trainer.display.close()
         trainer.metrics.close()
         trainer.audit.close()
     step = trainer.progress.step
-    if outcome == "preempted":
-        trainer.events.emit("preempted", step, signal=stop.signal_name)
+    if outcome != "finished":
+        trainer.events.emit(outcome, step, signal=stop.signal_name)
         trainer.events.close()
-        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
-                    stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
+        if outcome == "left":
+            log.warning("leaving at step %d after %s: the other nodes go on without this one; "
+                        "exiting with %d", step, stop.signal_name, EXIT_PREEMPTED)
+        else:
+            log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
+                        stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
         return EXIT_PREEMPTED
     test_loss, test_accuracy = trainer.last_eval or (None, None)
     trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     trainer.events.close()
+    duties.membership.release_agents()
     log.info("finished at step %d", step)
     return 0
+
+
+@dataclass
+class Duties:
+    """Who writes what: rank 0's writers (TensorBoard, events.jsonl, checkpoints, the progress
+    bar, train.log), every rank's audit file and watchdog. Given out at the start, and again
+    after each change of membership to whichever process then holds each rank."""
+
+    cfg: TrainConfig
+    run_id: str
+    run_dir: Path
+    checkpoint_dir: Path
+    group_store: dist.Store | None
+    """The launch's process group's store: the watchdog's where nothing outlives rank 0."""
+    membership: NullMembership
+
+    def checkpointer(self, env: DistEnv, generation: int, faults: Faults) -> NullCheckpointer:
+        c = self.cfg.checkpoint
+        return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every, keep_last=c.keep_last,
+                             restart_generation=generation, before_write=faults.maybe_fill_disk)
+                if env.is_main else NullCheckpointer())
+
+    def audit(self, env: DistEnv, generation: int) -> AuditLog:
+        path = self.run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
+        return AuditLog(path if self.cfg.run.audit_samples else None)
+
+    def report(self, trainer: Trainer, purge_step: int) -> None:
+        """Rank 0's dashboards and records, opened at ``purge_step``: whatever an earlier rank
+        0 logged there or later is hidden (its steps are done again)."""
+        env = trainer.env
+        trainer.display.close()
+        trainer.display = progress_display(env.is_main, trainer.total_steps,
+                                           trainer.progress.step, env.world_size)
+        if not env.is_main or isinstance(trainer.metrics, TensorBoardMetrics):
+            return
+        trainer.metrics = TensorBoardMetrics(self.run_dir, purge_step=purge_step)
+        trainer.events = EventLog(self.run_dir / "events.jsonl")
+        trainer.checkpointer.on_commit = partial(record_checkpoint, trainer)
+
+    def watch(self, trainer: Trainer) -> None:
+        """The watchdog of the trainer's current group: on the coordination store where the
+        survivors go on in process (it names the hung ranks to them), else on the group's."""
+        env, cfg = trainer.env, self.cfg
+        in_process = self.membership.in_process
+        store = self.membership.generation_store() if in_process else self.group_store
+        if store is None or cfg.run.hang_timeout <= 0:
+            return
+        trainer.watchdog = Watchdog(
+            env, store, cfg.run.hang_timeout, report=partial(record_hang, trainer, self.run_dir),
+            go_on_without=partial(self.membership.declare, "hung") if in_process else None,
+            store_host=None if in_process else 0)
+        trainer.watchdog.start()
+
+    def hand_over(self, trainer: Trainer, change: Change) -> None:
+        """After a change of membership: this process's new rank takes its duties."""
+        env, generation = change.env, change.generation
+        setup_logging(env)
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            add_file_handler(str(self.run_dir / "train.log"))
+        if env.is_local_main:
+            write_run_file(self.checkpoint_dir, self.run_id, generation)
+        trainer.faults = Faults.from_environ(env.rank, env.restart_count)
+        trainer.audit.close()
+        trainer.audit = self.audit(env, generation)
+        if isinstance(trainer.checkpointer, Checkpointer):
+            trainer.checkpointer.restart_generation = generation
+        elif env.is_main:
+            trainer.checkpointer = self.checkpointer(env, generation, trainer.faults)
+        self.report(trainer, purge_step=change.step + 1)
+        self.watch(trainer)
+
+
+def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
+                     generation: int) -> NullMembership:
+    """The membership survivors recover through in process, on the rendezvous store, where they
+    can (``--recovery``, a multi-node c10d rendezvous, a store that answers on every rank);
+    else the restart path: every fault restarts the job through torchrun."""
+    wanted = cfg.run.recovery
+    reason = ("--recovery restart" if wanted == "restart" else
+              "one node: torchrun restarts its workers together" if env.rendezvous is None else
+              "the watchdog is off (--hang-timeout 0)" if cfg.run.hang_timeout <= 0 else
+              "NCCL recovers by restart until it has run on GPUs (--recovery in-process to try)"
+              if wanted == "auto" and backend_for(device) == "nccl" else None)
+    if reason is not None:
+        (log.warning if wanted == "in-process" else log.info)(
+            "faults are recovered by a restart: %s", reason)
+        return NullMembership()
+    rdzv = env.rendezvous
+    launch = distributed.broadcast_object(secrets.token_hex(8), src=0, device=device)
+    try:
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=cfg.run.pg_timeout))
+    except RuntimeError as e:
+        store, reason = None, str(e).strip().splitlines()[0]
+    if not distributed.all_agree(store is not None, device):
+        log.warning("faults are recovered by a restart: the rendezvous store %s does not answer "
+                    "on every rank (%s)", rdzv.endpoint, reason or "on another rank")
+        return NullMembership()
+    log.info("a lost, departing or frozen node is recovered in process (coordination on the "
+             "rendezvous store %s)", rdzv.endpoint)
+    return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
+                      generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout)
 
 
 def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) -> None:

@@ -4,6 +4,10 @@ The applied gradient is the mean over the global batch whatever the world size: 
 summed loss is divided by the global batch's size, and gradients are *summed* across ranks. A rank
 left without a micro-batch (more ranks than micro-batches) still joins the gradient sync with a pass
 that counts for nothing.
+
+Every collective of the loop is waited on through the membership (membership.py): when the group
+loses a rank, the step fails, and :meth:`Trainer.recover` goes on with the ranks that are left, in
+the same process, from the state they agree on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import math
 import random
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,10 +38,11 @@ from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
-from elastic_mnist.events import NullEventLog
+from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.faults import Faults
+from elastic_mnist.membership import CannotRecover, Change, NullMembership, Position
 from elastic_mnist.metrics import NullMetrics
-from elastic_mnist.model import build_model
+from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.preemption import StopRequest
 from elastic_mnist.progress import LogLines
 from elastic_mnist.render import prediction_grid
@@ -48,6 +54,10 @@ log = logging.getLogger(__name__)
 # cannot be continued exactly.
 RESUME_INVARIANTS = (("optim", "seed"), ("optim", "global_batch_size"),
                      ("optim", "micro_batch_size"))
+LEAVE_GRACE_S = 1.0
+"""How long some ranks' stop request must stand alone before they leave and the others go on
+without them: the nodes of one job told to stop together (a scheduler's preemption, the agents'
+restart when a node joins) all ask within it, and then everyone stops at one step."""
 
 
 @dataclass
@@ -69,12 +79,15 @@ class StepResult:
     accuracy: float
     samples: int
     stop_requested: bool
+    """Every rank asked to stop (or one did, where the others cannot go on without it)."""
     seconds: float = 0.0
     data_wait_s: float = 0.0
     nonfinite_ranks: list[int] = field(default_factory=list)
     """Ranks whose loss or own gradients were NaN or infinite: the step was skipped."""
     checkpoint_failed: bool = False
     """Rank 0 could not write a checkpoint: every rank stops."""
+    leavers: list[int] = field(default_factory=list)
+    """Ranks that asked to stop while the others go on without them, from the next step."""
 
 
 class TrainingDiverged(RuntimeError):
@@ -90,11 +103,44 @@ class PeerStopped(Exception):
 
 
 class GradCheck:
-    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite."""
+    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, and
+    the membership whose guard the sum is waited on through."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, membership: NullMembership):
         self.group = None  # the default process group
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
+        self.membership = membership
+
+
+class StepFlags:
+    """This rank's flags in the step's one collective, in a tensor allocated once and written
+    by kernels on its device (``fill_``, a copy from the device), never copied from the host:
+    whether rank 0's last save failed, a vote that the ranks asking to stop leave, and per rank
+    whether it asks to stop and whether its loss or gradients were not finite."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device):
+        self.rank, self.world_size = rank, world_size
+        self.tensor = torch.zeros(2 + 2 * world_size, dtype=torch.float64, device=device)
+
+    def write(self, *, checkpoint_failed: bool, leave_vote: bool, stop: bool,
+              nonfinite: torch.Tensor) -> torch.Tensor:
+        flags = self.tensor
+        flags.zero_()
+        if checkpoint_failed:
+            flags[0].fill_(1)
+        if leave_vote:
+            flags[1].fill_(1)
+        if stop:
+            flags[2 + self.rank].fill_(1)
+        flags[2 + self.world_size + self.rank].copy_(nonfinite)
+        return flags
+
+    def read(self, summed: list[float]) -> tuple[bool, bool, list[int], list[int]]:
+        """(a save failed, some rank voted to let the stopping ranks leave, the ranks asking to
+        stop, the ranks whose values were not finite) from the summed flags."""
+        stops, nonfinite = summed[2:2 + self.world_size], summed[2 + self.world_size:]
+        return (summed[0] > 0, summed[1] > 0, [r for r, v in enumerate(stops) if v > 0],
+                [r for r, v in enumerate(nonfinite) if v > 0])
 
 
 def sum_allreduce_hook(state, bucket):
@@ -113,7 +159,7 @@ def sum_allreduce_hook(state, bucket):
         done.set_result(bucket.buffer())
         return done
     work = dist.all_reduce(bucket.buffer(), group=state.group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
+    return state.membership.guard(work.get_future()).then(lambda fut: fut.value()[0])
 
 
 def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
@@ -151,28 +197,32 @@ class AuditLog:
 @torch.no_grad()
 def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEnv,
              batch_size: int = 1000,
-             computing: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
+             computing: contextlib.AbstractContextManager | None = None,
+             all_reduce_: Callable[[torch.Tensor], torch.Tensor] = distributed.all_reduce_,
+             ) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
 
-    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait).
+    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait);
+    ``all_reduce_`` sums the ranks' totals (and reads them).
     """
     was_training = model.training
     model.eval()
-    mine = torch.arange(env.rank, len(digits), env.world_size)
-    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
-    with computing or contextlib.nullcontext():
-        for indices in torch.split(mine, batch_size):
-            images, labels = digits.batch(indices.to(digits.labels.device))
-            logits = model(images.to(device, non_blocking=True))
-            labels = labels.to(device, non_blocking=True)
-            totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
-            totals[1] += (logits.argmax(1) == labels).sum()
-            totals[2] += labels.numel()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the share is computed before the wait begins
-    distributed.all_reduce_(totals)
-    model.train(was_training)
-    loss_sum, correct, count = totals.tolist()
+    try:
+        mine = torch.arange(env.rank, len(digits), env.world_size)
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+        with computing or contextlib.nullcontext():
+            for indices in torch.split(mine, batch_size):
+                images, labels = digits.batch(indices.to(digits.labels.device))
+                logits = model(images.to(device, non_blocking=True))
+                labels = labels.to(device, non_blocking=True)
+                totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
+                totals[1] += (logits.argmax(1) == labels).sum()
+                totals[2] += labels.numel()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the share is computed before the wait begins
+        loss_sum, correct, count = all_reduce_(totals).tolist()
+    finally:
+        model.train(was_training)
     return loss_sum / max(count, 1), correct / max(count, 1)
 
 
@@ -183,7 +233,8 @@ class Trainer:
                  run_id: str, restart_generation: int,
                  metrics: NullMetrics | None = None,
                  checkpointer: NullCheckpointer | None = None,
-                 audit: AuditLog | None = None):
+                 audit: AuditLog | None = None,
+                 membership: NullMembership | None = None):
         self.cfg, self.env, self.device = cfg, env, device
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
@@ -193,9 +244,18 @@ class Trainer:
         self.audit = audit or AuditLog(None)
         self.events: NullEventLog = NullEventLog()
         self.watchdog: NullWatchdog = NullWatchdog()
+        self.membership = membership or NullMembership()
+        self.on_change: Callable[[Change], None] = lambda change: None
+        """Called after a change of membership, before the next step: rank 0's duties move."""
         self.faults = Faults()
         self.display: LogLines = LogLines()
         self.last_eval: tuple[float, float] | None = None
+        self.last_eval_step = -1
+        self.mid_step = False
+        """A step has begun and not completed: what it changed is undone if it fails."""
+        self.change: Change | None = None
+        """The last change of membership, until the first step after it completes."""
+        self._partial_stop_since: float | None = None
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
                                  o.seed)
@@ -212,29 +272,38 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
                                            weight_decay=o.weight_decay,
                                            fused=device.type == "cuda")  # one kernel, not dozens
-        self.ddp: DistributedDataParallel | None = None
-        self.grad_check = GradCheck(device)
-        if env.is_distributed and o.grad_sync == "ddp":  # under torchrun, even alone
-            with warnings.catch_warnings():  # its successor would sync buffers at start-up
-                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
-                self.ddp = DistributedDataParallel(
-                    self.model, device_ids=[device.index] if device.type == "cuda" else None,
-                    broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
-                    bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
-                    gradient_as_bucket_view=True)  # no copy between gradients and bucket
-            self.ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
-        elif env.world_size > 1:
+        self.grad_check = GradCheck(device, self.membership)
+        if env.world_size > 1 and not (env.is_distributed and o.grad_sync == "ddp"):
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=0)
-        self.net: nn.Module = self.ddp if self.ddp is not None else self.model
-        if cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
-            self.net = torch.compile(self.net,
-                                     mode="reduce-overhead" if device.type == "cuda" else None)
+        self.ddp, self.net = self._wrap()
+        self._retired: list[nn.Module] = []
+        """Wrappers of groups left behind: gloo's threads may still wait in them."""
+        self.flags = StepFlags(env.rank, env.world_size, device)
         self.progress = Progress()
         self.window = _Window()
         """The step results since the last log line."""
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
+
+    def _wrap(self) -> tuple[DistributedDataParallel | None, nn.Module]:
+        """The model as the loop runs it: in DDP on the current group (under torchrun, even
+        alone, unless the gradients are synced by hand), compiled if asked."""
+        ddp = None
+        if self.env.is_distributed and self.cfg.optim.grad_sync == "ddp":
+            with warnings.catch_warnings():  # its successor would sync buffers at start-up
+                warnings.filterwarnings("ignore", message=".*broadcast_buffers.*deprecated")
+                ddp = DistributedDataParallel(
+                    self.model,
+                    device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                    broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
+                    bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
+                    gradient_as_bucket_view=True)  # no copy between gradients and bucket
+            ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
+        net: nn.Module = ddp if ddp is not None else self.model
+        if self.cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
+            net = torch.compile(net, mode="reduce-overhead" if self.device.type == "cuda" else None)
+        return ddp, net
 
     # --- state ---------------------------------------------------------------------------------
 
@@ -258,6 +327,12 @@ class Trainer:
     def restore(self, payload: dict[str, Any], source: str) -> None:
         """Continues from a checkpoint's payload, or says precisely why it does not fit."""
         check_compatible(payload, self.model, self.cfg, self.dataset, source)
+        self.load_state(payload)
+        self.resumed_from = self.progress.step
+        self.resumed_source = source
+
+    def load_state(self, payload: dict[str, Any]) -> None:
+        """Takes the state of a payload (a checkpoint's, or a peer's after a change)."""
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         for group in self.optimizer.param_groups:  # flags may change between launches
@@ -269,8 +344,6 @@ class Trainer:
             torch.cuda.set_rng_state_all(rng["cuda"])
         state = random.getstate()
         random.setstate((state[0], tuple(rng["python"]), state[2]))
-        self.resumed_from = self.progress.step
-        self.resumed_source = source
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -278,11 +351,23 @@ class Trainer:
         return self.progress.step >= self.total_steps
 
     def fit(self, stop: StopRequest) -> str:
-        """Trains until done or asked to stop; returns 'finished' or 'preempted'."""
+        """Trains until done or asked to stop; returns 'finished', 'preempted' (every rank
+        stops) or 'left' (this rank stops, the others go on)."""
         self.window = _Window()  # start-up is no part of the first window's rate
         while not self.done():
-            if self.iteration(stop.requested).stop_requested:
+            try:
+                result = self.iteration(stop.requested)
+            except RuntimeError as failure:  # a collective failed, or was given up on
+                if self.membership.broken is None:
+                    raise
+                self.recover(detail=str(failure).strip().splitlines()[0])
+                continue
+            if result.stop_requested:
                 return "preempted"
+            if self.env.rank in result.leavers:
+                return "left"
+            if result.leavers:
+                self.recover(why="left", suspects=tuple(result.leavers))
         return "finished"
 
     def iteration(self, stop_requested: bool) -> StepResult:
@@ -295,6 +380,8 @@ class Trainer:
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
         epoch_ended = self.advance(len(batch))
+        if self.change is not None:
+            self.report_change()
         # Work of this rank alone is "busy" for the watchdog (peers wait for it, not for a hung
         # rank); a collective inside the evaluation is waiting, like a step's.
         with self.watchdog.busy("logging"):
@@ -308,12 +395,112 @@ class Trainer:
                 self.log_training(self.window.drain())
         if epoch_ended or self.done():
             self.log_evaluation()
+        self.maybe_checkpoint(epoch_ended, final=self.done() or result.stop_requested)
+        return result
+
+    def maybe_checkpoint(self, epoch_ended: bool, final: bool) -> None:
         with self.watchdog.busy("checkpointing"):
             if self.checkpointer.maybe_save(self.state, self.progress.step,
-                                            epoch_end=epoch_ended,
-                                            final=self.done() or result.stop_requested):
+                                            epoch_end=epoch_ended, final=final):
                 self.metrics.flush()  # what a resume keeps (steps up to this one) is on disk
-        return result
+
+    # --- a change of membership, in process ----------------------------------------------------
+
+    def position(self) -> Position:
+        return Position(step=self.progress.step, mid_step=self.mid_step,
+                        evaluated_step=self.last_eval_step)
+
+    def recover(self, why: str = "died", suspects: tuple[int, ...] = (), detail: str = "") -> None:
+        """Goes on with the ranks that are left: one agreed state, a new group, rank 0's duties
+        where they now belong. Raises CannotRecover when this rank cannot go on."""
+        self.watchdog.close(wait=False)  # it watched the group that is gone
+        while True:
+            self.rollback()
+            change = self.membership.recover(self.position(), why, suspects, detail)
+            try:
+                self.adopt(change)
+                break
+            except RuntimeError as failure:  # the new group lost a rank too: again
+                why, suspects, detail = "died", (), str(failure).strip().splitlines()[0]
+        log.warning("generation %d: world size %d -> %d at step %d (ranks %s %s); going on in "
+                    "process", change.generation, change.old_world_size, change.env.world_size,
+                    change.step, ", ".join(str(lost["rank"]) for lost in change.lost) or "none",
+                    change.why)
+        self.on_change(change)
+        self.catch_up(change)
+
+    def rollback(self) -> None:
+        """Undoes what a step cut short left: its BatchNorm passes' statistics, its gradients
+        (garbage where a collective was given up on), evaluation mode."""
+        if self.mid_step:
+            self.bn_stats.restore()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def adopt(self, change: Change) -> None:
+        """Joins the new world: the state of the first survivor at the agreed step (the step
+        everyone completed, or the one some completed: theirs is whole), then the model in a
+        DDP of the new group. The old wrappers are kept, never freed: the old group's threads
+        may still hold its buffers."""
+        self.env, self.restart_generation = change.env, change.generation
+        self.mid_step = False
+        self._partial_stop_since = None
+        payload = distributed.broadcast_object(
+            self.state() if self.env.rank == change.holder else None, change.holder, self.device)
+        if self.env.rank != change.holder:
+            self.load_state(payload)
+        self._retired.append(self.net)
+        self.ddp, self.net = self._wrap()
+        self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
+        digests = distributed.all_gather_object(state_digest(self.model.state_dict()), self.device)
+        if len(set(digests)) != 1:
+            raise CannotRecover(f"the survivors hold different models after agreeing on step "
+                                f"{change.step}: {sorted(set(digests))}")
+        self.change = change
+        self._regrouped_at = time.time()
+
+    def catch_up(self, change: Change) -> None:
+        """What the agreed step still owes when the fault came after it: its evaluation (unless
+        rank 0 has it) and its checkpoint."""
+        ended = self.progress.cursor == 0 and self.progress.step > 0
+        if (ended or self.done()) and change.evaluated_step != self.progress.step:
+            self.log_evaluation()
+        self.maybe_checkpoint(ended, final=self.done())
+
+    def report_change(self) -> None:
+        """Once the new group's first step is done: the ``shrink`` record and the dashboards."""
+        change, self.change = self.change, None
+        self.membership.recovered()
+        seconds = time.monotonic() - change.detected
+        self.events.emit("shrink", change.step, old_world_size=change.old_world_size,
+                         new_world_size=self.env.world_size,
+                         lost_ranks=[lost["rank"] for lost in change.lost],
+                         lost_hosts=[lost["host"] for lost in change.lost], why=change.why,
+                         lost=change.lost, restart_generation=change.generation,
+                         detection_to_step_s=round(seconds, 3),
+                         steps_redone=change.steps_redone,
+                         detected_time=utc_time(change.detected_at),
+                         regrouped_time=utc_time(self._regrouped_at),
+                         model_digest=state_digest(self.model.state_dict()))
+        self.metrics.scalars(self.progress.step, {
+            "elastic/world_size": self.env.world_size,
+            "elastic/restart_generation": self.restart_generation})
+        log.info("first step after the change: %.2f s after it was detected", seconds)
+
+    def leavers(self, stopping: list[int], voted: bool) -> list[int]:
+        """The ranks that go while the others go on without them: some asked to stop, the others
+        can go on in process, and the request stood alone for LEAVE_GRACE_S (a vote of the
+        step, so that every rank decides alike)."""
+        if not (self.membership.in_process and 0 < len(stopping) < self.env.world_size):
+            self._partial_stop_since = None
+            return []
+        if self._partial_stop_since is None:
+            self._partial_stop_since = time.monotonic()
+        return stopping if voted else []
+
+    def leave_vote(self) -> bool:
+        return (self._partial_stop_since is not None
+                and time.monotonic() - self._partial_stop_since >= LEAVE_GRACE_S)
 
     def count_nonfinite(self, result: StepResult) -> None:
         """Counts a skipped step; TrainingDiverged after ``--max-nonfinite-steps`` in a row."""
@@ -368,6 +555,7 @@ class Trainer:
             scale = math.nan  # this rank's gradients, poisoned for a test
 
         self.bn_stats.begin_step()
+        self.mid_step = True
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_check.nonfinite.zero_()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -377,11 +565,13 @@ class Trainer:
             fetch_start = time.perf_counter()
             images, labels = self.train_data.batch(indices)
             data_wait += time.perf_counter() - fetch_start
-            with self.bn_stats.record(counts), self._sync_gradients(i == len(mine) - 1):
+            syncs = i == len(mine) - 1
+            with self.bn_stats.record(counts), self._sync_gradients(syncs):
                 with self._autocast():
                     logits = self.net(images)
                     loss = F.cross_entropy(logits, labels, reduction="sum")
-                (loss * scale).backward()
+                with self._waiting_if(syncs and self.ddp is not None):  # DDP's sum waits here
+                    (loss * scale).backward()
             if counts:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
@@ -398,19 +588,17 @@ class Trainer:
         # may checkpoint it), every rank's record is written, even if its node dies right after.
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
                           self.env.world_size, mine if counts else [])
-        # One collective for the step: loss, accuracy, the stop and checkpoint-failure flags,
-        # which ranks saw non-finite values, and the BatchNorm statistics.
-        flags = torch.tensor([stop_requested, self.checkpointer.failed], dtype=torch.float64,
-                             device=self.device)
-        ranks_nonfinite = torch.zeros(self.env.world_size, dtype=torch.float64,
-                                      device=self.device)
-        ranks_nonfinite[self.env.rank] = nonfinite.double()
-        packed = torch.cat([loss_sum.view(1), correct.view(1), flags, ranks_nonfinite,
+        # One collective for the step: loss, accuracy, the flags of every rank, the BatchNorm
+        # statistics; its head read back to the host once (the step's one sync).
+        flags = self.flags.write(checkpoint_failed=self.checkpointer.failed,
+                                 leave_vote=self.leave_vote(), stop=stop_requested,
+                                 nonfinite=nonfinite)
+        packed = torch.cat([loss_sum.view(1), correct.view(1), flags,
                             self.bn_stats.local_sums(self.device)])
-        distributed.all_reduce_(packed)
-        head = 4 + self.env.world_size
-        loss_total, correct_total, stops, checkpoint_failed, *per_rank = packed[:head].tolist()
-        nonfinite_ranks = [rank for rank, count in enumerate(per_rank) if count > 0]
+        head = 2 + flags.numel()
+        with self.watchdog.waiting():
+            loss_total, correct_total, *summed = self._all_reduce_(packed)[:head].tolist()
+        checkpoint_failed, leave_voted, stopping, nonfinite_ranks = self.flags.read(summed)
         if nonfinite_ranks:  # skipped on every rank alike: no update, statistics as they were
             self.bn_stats.restore()
             self.optimizer.zero_grad(set_to_none=True)
@@ -418,10 +606,14 @@ class Trainer:
             self.bn_stats.apply(packed[head:])
             self.optimizer.step()
 
+        leavers = self.leavers(stopping, leave_voted)
+        everyone_stops = bool(stopping) and (len(stopping) == self.env.world_size
+                                             or not self.membership.in_process)
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
-                          samples=len(batch), stop_requested=stops > 0,
+                          samples=len(batch), stop_requested=everyone_stops,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
-                          nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed > 0)
+                          nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed,
+                          leavers=leavers)
 
     def _autocast(self) -> torch.autocast:
         """The forward pass in bf16 under ``--precision bf16``, else as it is."""
@@ -434,16 +626,29 @@ class Trainer:
             return contextlib.nullcontext()
         return self.ddp.no_sync()
 
+    def _waiting_if(self, waits: bool):
+        return self.watchdog.waiting() if waits else contextlib.nullcontext()
+
+    def _all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums ``tensor`` over the ranks in place, waited on through the membership: the wait
+        ends when the group loses a rank, even if the collective never returns."""
+        if distributed.is_active():
+            work = dist.all_reduce(tensor, async_op=True)
+            with self.watchdog.waiting():
+                self.membership.guard(work.get_future()).wait()
+        return tensor
+
     def _all_reduce_gradients(self) -> None:
         """The seeds' hand-written gradient sync (``--grad-sync allreduce``), summing."""
         for param in self.model.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM)
+            self._all_reduce_(param.grad)
 
     def advance(self, samples: int) -> bool:
         """Moves the cursor past a completed step; True if that step ended the epoch."""
         p = self.progress
+        self.mid_step = False
         p.step += 1
         p.samples_seen += samples
         p.cursor += samples
@@ -475,14 +680,15 @@ class Trainer:
     def log_evaluation(self) -> tuple[float, float]:
         step = self.progress.step
         loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env,
-                                  computing=self.watchdog.busy("evaluating"))
+                                  computing=self.watchdog.busy("evaluating"),
+                                  all_reduce_=self._all_reduce_)
         with self.watchdog.busy("logging"):
             self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
             if self.env.is_main:
                 self.metrics.image("test/predictions", self.prediction_grid(), step)
             self.metrics.flush()
             self.events.emit("eval", step, accuracy=accuracy, loss=loss)
-        self.last_eval = (loss, accuracy)
+        self.last_eval, self.last_eval_step = (loss, accuracy), step
         log.info("epoch %d done: test loss %.4f, test accuracy %.2f%%", self.progress.epoch,
                  loss, 100 * accuracy)
         return loss, accuracy

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from elastic_mnist.checkpoint import CheckpointError
@@ -11,7 +13,10 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import USER_ERRORS, report_user_error
 from elastic_mnist.job import run_training
 from elastic_mnist.logs import setup_logging
+from elastic_mnist.membership import EXIT_GAVE_UP, CannotRecover
 from elastic_mnist.trainer import PeerStopped, TrainingDiverged
+
+log = logging.getLogger(__name__)
 
 
 @record
@@ -30,3 +35,6 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
         return report_user_error("train", e)
     except PeerStopped as e:
         return e.exit_code
+    except CannotRecover as e:  # the others went on without this rank, or could not go on
+        log.error("cannot go on in process: %s; leaving, so that torchrun restarts the job", e)
+        return EXIT_GAVE_UP

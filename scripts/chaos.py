@@ -11,24 +11,31 @@ rendezvous store served by ``elastic-mnist rendezvous`` (or, with ``--store agen
 node's agent), training on small synthetic digits with ``--audit-samples``. At chosen optimizer
 steps it injects faults:
 
-    kill-node     SIGKILL of a node's whole process tree (agent and workers)
-    kill-worker   SIGKILL of one worker; its agent restarts it
-    preempt-node  SIGTERM to a node's agent: the job stops at an agreed step, checkpoints, and
-                  goes on without the node, which comes back (is requeued) a few seconds later
-    leave         SIGINT to a node's agent: the node leaves for good (until a later join)
-    join          a new node joins the running job
-    hang-worker   SIGSTOP of one worker: it neither steps nor exits; the workers' watchdog
-                  restarts the group (its agent kills it only 30 s after asking it to stop)
+    kill-node     SIGKILL of a node's whole process tree (agent and workers): the others go on
+                  in process
+    kill-worker   SIGKILL of one worker; its agent restarts its node, and torchrun everyone
+    preempt-node  SIGTERM to a node's agent: the node leaves and the others go on in process;
+                  it comes back (is requeued) a few seconds later, a join
+    leave         SIGTERM to a node's agent, not requeued: the node leaves for good (until a
+                  later join); the others go on in process
+    join          a new node joins the running job: every worker restarts
+    hang-worker   SIGSTOP of one worker: it neither steps nor exits; the workers' watchdog names
+                  it, and the others go on without it in process where it is alone on its node
+                  (elsewhere a sibling kills it, and its agent restarts the node)
     nan-grad      rank 0's gradients of that step poisoned (ELASTIC_MNIST_FAULT, set when the
                   nodes start): every rank skips the step
 
 Then it checks, and exits 1 on any failure: the job finished; every completed epoch used every
 sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
-uninterrupted run's; every checkpoint left is valid. It prints, per fault, the time until the old
-workers were gone (the job noticed), until the next worker group started, and until its first
-completed step, and how many steps were redone, and the seconds from the start of the nodes to
-the job's first completed step. Times come from the run's events.jsonl and audit records, and from
-watching the processes.
+uninterrupted run's; every checkpoint left is valid; every fault of a kind the survivors recover
+from in process (kill-node, preempt-node, leave, hang-worker alone on its node) was recovered in
+process, the surviving workers still the same processes. It prints, per fault, how it was
+recovered (in process, or by a restart), the time until the job noticed (in process: the fault's
+detection; by a restart: the old workers gone), until the next worker group was formed, and
+until its first completed step, and how many steps were redone; the seconds from the start of
+the nodes to the job's first completed step; and, per node that lived to the end, the seconds
+from the last step to its torchrun's exit. Times come from the run's events.jsonl and audit
+records, and from watching the processes.
 
 The card's shape, 4 nodes of 8 workers on one machine, is ``make chaos32`` (see the Makefile).
 """
@@ -50,11 +57,14 @@ from pathlib import Path
 import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
-from elastic_mnist.events import event_time, read_events
+from elastic_mnist.events import event_time
 from elastic_mnist.faults import FAULT_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")
+IN_PROCESS_KINDS = ("kill-node", "preempt-node", "leave", "hang-worker")
+"""Faults the survivors go on from in process (hang-worker only where the worker is alone on its
+node: with siblings, one of them kills it, and its agent restarts the node)."""
 REQUEUE_DELAY_S = 3.0
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
@@ -79,6 +89,13 @@ class Fault:
     """The job had run its last step before the group that the fault restarted could run one
     (a node joining near the end): nothing was left to recover."""
     old_workers: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+    """Workers of the nodes the fault did not touch: in process, they go on as they are."""
+    expected: str = "restart"
+    """How the fault should be recovered: "in-process" or "restart"."""
+    recovery: str | None = None
+    """How it was: "in-process" (a ``shrink`` record) or "restart" (a ``start`` record)."""
+    survivors_kept: bool | None = None
 
     def describe(self) -> str:
         return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
@@ -107,6 +124,9 @@ class Cluster:
         self.exited: dict[int, int] = {}
         self.store_proc: subprocess.Popen | None = None
         self._next_id = 0
+        self.frozen: set[int] = set()
+        """Nodes whose worker is stopped for good (the others went on without it): their agent
+        waits for it forever, and no later fault can take them."""
 
     def start_store(self) -> None:
         if self.store == "external":
@@ -158,8 +178,9 @@ class Cluster:
         return [pid for proc in self.nodes.values() for pid in worker_pids(proc.pid)]
 
     def victims(self) -> list[int]:
-        """Nodes a fault may take: never the store's host, never the last one."""
-        alive = self.alive()
+        """Nodes a fault may take: never the store's host, never the last one, never a frozen
+        one."""
+        alive = [n for n in self.alive() if n not in self.frozen]
         candidates = [n for n in alive if not (self.store == "agent" and n == 0)]
         return candidates if len(alive) > 1 else []
 
@@ -172,25 +193,36 @@ class Cluster:
 
 
 class Observer:
-    """Reads the run's progress: audit records (a line per rank per step) and events.jsonl."""
+    """Reads the run's progress: audit records (a line per rank per step) and events.jsonl, each
+    file from where the last read stopped: polling costs the job's CPU nothing that grows."""
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
+        self._read: dict[Path, tuple[int, list[dict]]] = {}
+
+    def _records(self, path: Path, extra: dict) -> list[dict]:
+        """The whole lines of ``path`` as records (a line cut short by a kill is skipped)."""
+        offset, records = self._read.get(path, (0, []))
+        with open(path, "rb") as file:
+            file.seek(offset)
+            chunk = file.read()
+        whole = chunk[:chunk.rfind(b"\n") + 1]
+        for line in whole.decode().splitlines():
+            try:
+                records.append({**json.loads(line), **extra})
+            except ValueError:
+                pass
+        self._read[path] = (offset + len(whole), records)
+        return records
 
     def audit(self) -> list[dict]:
-        records = []
-        for path in sorted((self.run_dir / "audit").glob("g*-r*.jsonl")):
-            generation = int(path.name[1:].split("-")[0])
-            for line in path.read_text().splitlines():
-                try:
-                    records.append({**json.loads(line), "generation": generation})
-                except ValueError:
-                    pass  # a line cut short by a kill
-        return records
+        return [record for path in sorted((self.run_dir / "audit").glob("g*-r*.jsonl"))
+                for record in self._records(path, {"generation": int(
+                    path.name[1:].split("-")[0])})]
 
     def events(self) -> list[dict]:
         path = self.run_dir / "events.jsonl"
-        return read_events(path) if path.exists() else []
+        return list(self._records(path, {})) if path.exists() else []
 
     def step(self) -> int:
         return max((r["step"] for r in self.audit()), default=0)
@@ -224,10 +256,10 @@ def parse_schedule(text: str) -> list[Fault]:
 def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     """Carries the fault out; False when it cannot be (e.g. no node may be taken)."""
     fault.old_workers = cluster.workers()
-    fault.at = time.time()
     if fault.kind == "join":
         if len(cluster.alive()) >= cluster.max_nodes:
             return False
+        fault.at = time.time()
         fault.node = cluster.start_node()
         return True
     victims = cluster.victims()
@@ -236,6 +268,9 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     if fault.node not in victims:
         return False
     agent = cluster.nodes[fault.node]
+    fault.survivors = [pid for node, proc in cluster.nodes.items() if node != fault.node
+                       for pid in worker_pids(proc.pid)]
+    fault.at = time.time()
     if fault.kind == "kill-node":
         kill_tree(agent.pid)
     elif fault.kind in ("kill-worker", "hang-worker"):
@@ -243,10 +278,8 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
         if not pids:
             return False
         os.kill(pids[0], signal.SIGKILL if fault.kind == "kill-worker" else signal.SIGSTOP)
-    elif fault.kind == "preempt-node":
-        agent.send_signal(signal.SIGTERM)
-    elif fault.kind == "leave":
-        agent.send_signal(signal.SIGINT)
+    elif fault.kind in ("preempt-node", "leave"):  # a scheduler taking the node (preempt-node
+        agent.send_signal(signal.SIGTERM)          # gives it back a few seconds later)
     return True
 
 
@@ -274,31 +307,66 @@ def is_running(pid: int) -> bool:
 
 
 def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
-    """Times the job's answer to a fault: old workers gone, new group started, first new step."""
+    """Times the job's answer to a fault: noticed, new group formed, its first step; and how.
+
+    In process, a ``shrink`` record says it all; by a restart, the old workers are gone, a
+    ``start`` record follows. A fault expected in process that a restart answered first counts
+    as a restart (and fails the run); a fault expected to restart the job is timed to the
+    restart, past any shrink on the way (the survivors of a dead worker go on in process until
+    its agent's restart makes every agent restart theirs)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         now = time.time()
+        events = [e for e in observer.events() if event_time(e) > fault.at]
+        answer = next((e for e in events if e["event"] == "start"
+                       or (e["event"] == "shrink" and fault.expected == "in-process")), None)
+        if answer is not None and answer["event"] == "shrink":
+            fault.recovery = "in-process"
+            fault.noticed = event_time(answer, "detected_time")
+            fault.restarted = event_time(answer, "regrouped_time")
+            fault.steps_redone = answer["steps_redone"]
+            fault.survivors_kept = all(map(is_running, fault.survivors))
+            first = [r["time"] for r in observer.audit()
+                     if r["generation"] >= answer["restart_generation"]]
+            fault.first_step = min(first, default=event_time(answer))
+            return
         if fault.noticed is None and not any(map(is_running, fault.old_workers)):
             fault.noticed = now
-        starts = [e for e in observer.events()
-                  if e["event"] == "start" and event_time(e) > fault.at]
-        if starts and fault.restarted is None:
-            fault.restarted = event_time(starts[0])
-            generation = starts[0]["restart_generation"]
-            done_before = [r["step"] for r in observer.audit() if r["generation"] < generation]
-            resumed = starts[0]["resumed_from_step"] or 0
-            fault.steps_redone = max(done_before, default=0) - resumed
-        if fault.restarted is not None:
+        if answer is not None:
+            fault.recovery = "restart"
+            if fault.restarted is None:
+                fault.restarted = event_time(answer)
+                generation = answer["restart_generation"]
+                done_before = [r["step"] for r in observer.audit()
+                               if r["generation"] < generation]
+                fault.steps_redone = max(done_before, default=0) - (
+                    answer["resumed_from_step"] or 0)
             new = [r["time"] for r in observer.audit()
-                   if r["generation"] >= starts[0]["restart_generation"]]
+                   if r["generation"] >= answer["restart_generation"]]
             if new:
                 fault.first_step = min(new)
                 return
-            if any(e["event"] == "finish" and e["step"] == starts[0]["step"]
-                   for e in observer.events() if event_time(e) >= fault.restarted):
+            if any(e["event"] == "finish" and e["step"] == answer["step"]
+                   for e in events if event_time(e) >= fault.restarted):
                 fault.job_done_first = True
                 return
         time.sleep(0.05)
+
+
+def watch_exits(cluster: Cluster, observer: Observer, timeout: float) -> dict[int, float | None]:
+    """Seconds from the job's last step to each remaining node's torchrun exit (None for a node
+    that did not exit within ``timeout``: one whose worker is frozen waits for it forever)."""
+    last_step = max((r["time"] for r in observer.audit()), default=time.time())
+    exits: dict[int, float | None] = dict.fromkeys(n for n in cluster.alive()
+                                                   if n not in cluster.frozen)
+    deadline = time.time() + timeout
+    while time.time() < deadline and any(v is None for v in exits.values()):
+        for node, seconds in exits.items():
+            if seconds is None and cluster.nodes[node].poll() is not None:
+                exits[node] = time.time() - last_step
+        time.sleep(0.05)
+    cluster.alive()
+    return exits
 
 
 def watch_start(observer: Observer, deadline: float) -> dict:
@@ -332,12 +400,12 @@ def table(faults: list[Fault]) -> str:
     def seconds(t: float | None, since: float) -> str:
         return "—" if t is None else f"{t - since:.1f}"
 
-    header = ("| fault | at step | noticed (s) | restarted (s) | first step after (s) | "
-              "steps redone |")
-    rows = [header, "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    header = ("| fault | at step | recovered | noticed (s) | new group (s) | "
+              "first step after (s) | steps redone |")
+    rows = [header, "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
     for f in faults:
-        rows.append(f"| {f.describe()} | {f.step} | {seconds(f.noticed, f.at)} | "
-                    f"{seconds(f.restarted, f.at)} | "
+        rows.append(f"| {f.describe()} | {f.step} | {f.recovery or '—'} | "
+                    f"{seconds(f.noticed, f.at)} | {seconds(f.restarted, f.at)} | "
                     f"{'none left' if f.job_done_first else seconds(f.first_step, f.at)} | "
                     f"{'—' if f.steps_redone is None else f.steps_redone} |")
     return "\n".join(rows)
@@ -371,6 +439,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
     parser.add_argument("--rdzv-defaults", action="store_true",
                         help="torchrun's default rendezvous timing instead of jobs/node.sh's")
+    parser.add_argument("--recovery", choices=("auto", "in-process", "restart"), default="auto",
+                        help="the job's --recovery (auto)")
+    parser.add_argument("--hang-timeout", type=float, default=None,
+                        help="the job's --hang-timeout (its default)")
+    parser.add_argument("--checkpoint-every", type=int, default=10,
+                        help="the job's --checkpoint-every (10)")
+    parser.add_argument("--keep-last", type=int, default=3, help="the job's --keep-last (3)")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the faults and their timings to this file")
     args = parser.parse_args(argv)
@@ -394,8 +469,11 @@ def main(argv: list[str] | None = None) -> int:
                   str(args.global_batch_size), "--micro-batch-size", "16", "--epochs", "1000",
                   "--max-steps", str(args.steps),
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
-                  "--run-id", "chaos", "--checkpoint-every", "10", "--log-every", "10",
-                  "--audit-samples"]
+                  "--run-id", "chaos", "--checkpoint-every", str(args.checkpoint_every),
+                  "--keep-last", str(args.keep_last), "--log-every", "10",
+                  "--audit-samples", "--recovery", args.recovery,
+                  *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout else [])]
+    (workdir / "train_args.json").write_text(json.dumps(train_args))
     faults = (parse_schedule(args.schedule) if args.schedule else
               random_schedule(rng, args.faults, args.steps // 10, args.steps * 3 // 4))
     poisoned = [f"nan-grad@{f.step}:0" for f in faults if f.kind == "nan-grad"]
@@ -412,7 +490,7 @@ def main(argv: list[str] | None = None) -> int:
     observer = Observer(shared / "runs" / "chaos")
     failures: list[str] = []
     deadline = time.time() + args.timeout
-    started, first_step = time.time(), None
+    started, first_step, exits = time.time(), None, {}
     try:
         cluster.start_store()
         for _ in range(args.start_nodes):
@@ -420,6 +498,8 @@ def main(argv: list[str] | None = None) -> int:
         first_step = watch_start(observer, deadline)
         print(f"chaos: first step at world size {first_step['world_size']} "
               f"{first_step['time'] - started:.1f} s after the nodes started")
+        in_process = next(e for e in observer.events()
+                          if e["event"] == "start")["recovery"] == "in-process"
         for fault in faults:
             while observer.step() < fault.step and not observer.finished():
                 if time.time() > deadline:
@@ -435,19 +515,23 @@ def main(argv: list[str] | None = None) -> int:
             if observer.finished():
                 failures.append(f"the job finished before the fault at step {fault.step}")
                 break
+            fault.expected = ("in-process" if in_process and fault.kind in IN_PROCESS_KINDS and
+                              (fault.kind != "hang-worker" or args.nproc_per_node == 1)
+                              else "restart")
             if not inject(fault, cluster, rng):
                 print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
                 continue
-            print(f"chaos: {fault.describe()} at step {observer.step()}")
+            print(f"chaos: {fault.describe()} at step {fault.step}")
             watch_recovery(fault, observer, timeout=120)
+            if fault.kind == "hang-worker" and fault.recovery == "in-process":
+                cluster.frozen.add(fault.node)
             if fault.kind == "preempt-node":
                 time.sleep(REQUEUE_DELAY_S)
                 cluster.start_node()  # requeued
         while not observer.finished() and time.time() < deadline:
             cluster.alive()
             time.sleep(0.2)
-        time.sleep(2)  # the agents' exit barrier
-        cluster.alive()
+        exits = watch_exits(cluster, observer, timeout=30)
     except TimeoutError as e:
         failures.append(str(e))
     finally:
@@ -482,15 +566,27 @@ def main(argv: list[str] | None = None) -> int:
               if f.kind == "hang-worker" and f.at and not any(t > f.at for t in hangs)]
     if unseen:
         failures.append(f"no hang recorded in events.jsonl after the SIGSTOPs at steps {unseen}")
+    restarted = [f.describe() for f in faults if f.at and f.expected == "in-process"
+                 and (f.recovery != "in-process" or not f.survivors_kept)]
+    if restarted:
+        failures.append(f"recovered by a restart, not in process: {restarted}")
 
     print(table([f for f in faults if f.at]))
+    if exits:
+        print("chaos: last step → torchrun's exit: " + ", ".join(
+            f"node {node} {'did not exit' if s is None else f'{s:.1f} s'}"
+            for node, s in exits.items()))
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,
             "launch": args.launch, "nproc_per_node": args.nproc_per_node,
             "first_step_s": first_step["time"] - started if first_step else None,
             "first_step_world_size": first_step["world_size"] if first_step else None,
+            "recovery": args.recovery,
+            "exit_after_last_step_s": {str(node): s for node, s in exits.items()},
             "faults": [{"kind": f.kind, "node": f.node, "step": f.step,
+                        "expected": f.expected, "recovery": f.recovery,
+                        "survivors_kept": f.survivors_kept,
                         **{name: None if t is None else t - f.at
                            for name, t in (("noticed_s", f.noticed), ("restarted_s", f.restarted),
                                            ("first_step_s", f.first_step))},

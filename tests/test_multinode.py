@@ -1,15 +1,27 @@
-"""Several torchrun agents on loopback, each through jobs/node.sh: nodes lost, rejoined, and the
-rendezvous store outliving the first node. Driven by the chaos harness (scripts/chaos.py)."""
+"""Several torchrun agents on loopback: a node frozen, leaving or lost while the others go on in the
+same processes, rank 0's duties moving, the exit barrier released, and the in-process path
+ending where the restart path would, to the bit. Each run is the chaos harness's
+(scripts/chaos.py), which fails unless the job finished, every completed epoch used every sample
+once, every checkpoint is valid, and every fault of an in-process kind was recovered in process
+by the same worker processes; the tests read what it left behind."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import shutil
+import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
-from launch import REPO, cli_cmd, run
+from launch import REPO, clean_env, cli_cmd, free_port, kill_tree, run, torchrun_cmd
+from shared_runs import newest
+from test_dashboards import accumulate
 
 from elastic_mnist.events import read_events
+from elastic_mnist.membership import arrive_at_exit_barrier, rendezvous_round
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
@@ -17,24 +29,138 @@ import chaos
 pytestmark = pytest.mark.slow
 
 
-def starts(workdir) -> list[dict]:
+def records(workdir: Path, kind: str | None = None) -> list[dict]:
     events = read_events(workdir / "shared" / "runs" / "chaos" / "events.jsonl")
-    return [e for e in events if e["event"] == "start"]
+    return [e for e in events if kind is None or e["event"] == kind]
 
 
-def test_a_lost_first_node_leaves_the_job_running_and_a_new_one_grows_it_back(tmp_path):
-    """The external store outlives node 0, the first one. A join takes about 10 s to turn into
-    a new group, hundreds of these tiny steps: it comes early in a long job. The accuracy
-    against an uninterrupted run is checked by make chaos and by tests/test_elastic.py."""
-    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "external", "--steps",
-                         "300", "--schedule", "10:kill-node:0,20:join", "--no-reference",
-                         "--workdir", str(tmp_path), "--json", str(tmp_path / "faults.json")])
-    assert status == 0  # finished; every sample once per epoch; valid checkpoints
-    worlds = [s["world_size"] for s in starts(tmp_path)]
-    assert worlds == [2, 1, 2], worlds
-    kill, join = json.loads((tmp_path / "faults.json").read_text())["faults"]
-    assert kill["kind"] == "kill-node" and kill["node"] == 0 and kill["first_step_s"], kill
-    assert join["kind"] == "join" and join["first_step_s"] is not None, join  # grown, trained
+def test_survivors_of_a_frozen_node_go_on_in_process_as_a_restart_would(tmp_path):
+    """The README's plain torchrun line (node 0's agent serves the store), 3 nodes of one worker.
+    Node 2's worker stops (SIGSTOP): no peer can kill it, and its agent sees it running. The
+    others name it after --hang-timeout and go on without it in their own processes; their
+    agents exit as soon as they finish (the exit barrier released for node 2's agent, which
+    waits for its frozen worker forever); and their end is bitwise that of the same run stopped
+    at the agreed step and restarted at world size 2."""
+    work = tmp_path / "chaos"
+    status = chaos.main(["--launch", "torchrun", "--store", "agent", "--nodes", "3",
+                         "--start-nodes", "3", "--steps", "40", "--schedule", "8:hang-worker:2",
+                         "--hang-timeout", "3", "--checkpoint-every", "1", "--keep-last", "100",
+                         "--no-reference", "--workdir", str(work), "--json",
+                         str(work / "faults.json")])
+    assert status == 0
+    report = json.loads((work / "faults.json").read_text())
+    (fault,) = report["faults"]
+    assert (fault["recovery"], fault["survivors_kept"]) == ("in-process", True)  # same pids
+    assert fault["steps_redone"] <= 1
+    assert sorted(report["exit_after_last_step_s"]) == ["0", "1"]
+    assert all(s is not None for s in report["exit_after_last_step_s"].values())  # not 300 s
+    assert [s["world_size"] for s in records(work, "start")] == [3]
+    (hang,) = records(work, "hang")
+    (shrink,) = records(work, "shrink")
+    assert hang["ranks"] == [2] and hang["reported_by"] in (0, 1)
+    assert (shrink["why"], shrink["lost_ranks"], shrink["old_world_size"],
+            shrink["new_world_size"], shrink["restart_generation"]) == ("hung", [2], 3, 2, 1)
+    assert shrink["detection_to_step_s"] > 0 and len(shrink["model_digest"]) == 64
+
+    # The same run, stopped at the agreed step and restarted by torchrun at world size 2.
+    again = tmp_path / "restarted"
+    (again / "ckpt").mkdir(parents=True)
+    for part in (".pt", ".json"):
+        name = f"step-{shrink['step']:08d}{part}"
+        shutil.copy(work / "shared" / "ckpt" / name, again / "ckpt" / name)
+    args = [arg.replace(str(work / "shared"), str(again))
+            for arg in json.loads((work / "train_args.json").read_text())]
+    done = run(torchrun_cmd(2, "train", *args))
+    assert done.returncode == 0, done.stdout
+    assert f"step {shrink['step']}, epoch" in done.stdout
+    ours, theirs = newest(work / "shared" / "ckpt"), newest(again / "ckpt")
+    assert ours["step"] == theirs["step"] == 40
+    assert ours["model_digest"] == theirs["model_digest"]
+
+
+def test_a_node_leaving_and_rank_0_lost_under_jobs_node_sh(tmp_path):
+    """jobs/node.sh, the store served by `elastic-mnist rendezvous`, 3 nodes of one worker. Node
+    2's agent is SIGTERMed: its worker leaves after a second's grace, the others go on. Node 0,
+    rank 0's, is SIGKILLed: the last one takes rank 0's duties in its own process (TensorBoard
+    in the same run folder, events.jsonl, the checkpoints). A new node then grows the job back:
+    every worker restarts."""
+    work = tmp_path / "chaos"
+    status = chaos.main(["--nodes", "3", "--start-nodes", "3", "--store", "external",
+                         "--steps", "400", "--schedule", "6:leave:2,12:kill-node:0,18:join",
+                         "--no-reference", "--workdir", str(work), "--json",
+                         str(work / "faults.json")])
+    assert status == 0
+    leave, kill, join = json.loads((work / "faults.json").read_text())["faults"]
+    assert [f["recovery"] for f in (leave, kill, join)] == ["in-process", "in-process", "restart"]
+    assert leave["survivors_kept"] and kill["survivors_kept"]
+    left, died = records(work, "shrink")
+    assert (left["why"], left["lost_ranks"], left["old_world_size"], left["new_world_size"]) == \
+        ("left", [2], 3, 2)
+    assert left["steps_redone"] == 0  # the node left at a step boundary
+    assert (died["why"], died["lost_ranks"], died["new_world_size"]) == ("died", [0], 1)
+    starts = records(work, "start")
+    assert [(s["world_size"], s["restart_generation"]) for s in starts] == [(3, 0), (2, 3)]
+
+    # Rank 0's duties moved: the records after the kill come from the last survivor, the
+    # dashboards go on in the one run folder, every step once, the world size as it was.
+    after = [e for e in records(work) if e["time"] > died["time"]]
+    assert {"eval", "checkpoint"} <= {e["event"] for e in after}
+    acc = accumulate(work / "shared" / "runs" / "chaos")
+    for tag in acc.Tags()["scalars"]:
+        steps = [e.step for e in acc.Scalars(tag)]
+        assert steps == sorted(set(steps)), (tag, steps)  # nothing lost or doubled
+    worlds = [int(e.value) for e in acc.Scalars("elastic/world_size")]
+    assert [w for w, _ in itertools.groupby(worlds)] == [3, 2, 1, 2], worlds
+    generations = {json.loads(p.read_text())["restart_generation"]
+                   for p in (work / "shared" / "ckpt").glob("step-*.json")}
+    assert generations <= {2, 3} and 3 in generations  # written after the kill, and the join
+
+
+def test_what_survivors_rely_on_from_torchrun_and_gloo(tmp_path):
+    """Two plain torchrun agents, one worker each (tests/programs/frozen_peer.py): rank 1 freezes.
+
+    - gloo cannot abort a collective blocked on a frozen peer: the backend's abort changes
+      nothing, a wait's own timeout gives up on it, the collective fails at the group's timeout;
+    - an agent whose workers finished waits at the exit barrier for every agent of its
+      rendezvous round, and one that is gone never arrives; arriving for it lets it exit."""
+    port = free_port()
+    env = clean_env(LOGLEVEL="INFO", GROUP_TIMEOUT_S="3")
+
+    def agent(is_host: bool, log: Path) -> subprocess.Popen:
+        conf = f"join_timeout=60,last_call_timeout=1,is_host={str(is_host).lower()}"
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=facts",
+             f"--rdzv_conf={conf}", "--monitor_interval=0.2",
+             str(REPO / "tests" / "programs" / "frozen_peer.py")],
+            env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    first, second = agent(True, tmp_path / "a.log"), agent(False, tmp_path / "b.log")
+    try:
+        deadline = time.monotonic() + 120
+        while "Waiting 300 seconds for other agents" not in (tmp_path / "a.log").read_text():
+            assert first.poll() is None and time.monotonic() < deadline, \
+                (tmp_path / "a.log").read_text()
+            time.sleep(0.1)
+        seen = next(json.loads(line[line.index("{"):])
+                    for line in (tmp_path / "a.log").read_text().splitlines()
+                    if "completed_after_abort" in line)
+        assert seen["completed_after_abort"] is False
+        assert 1.0 <= seen["wait_timeout_s"] < seen["returned_s"]
+        assert seen["returned_s"] >= 3.0  # not before the group's timeout
+
+        kill_tree(second.pid)  # the frozen node is gone for good: it never arrives
+        time.sleep(2)
+        assert first.poll() is None  # still waiting, up to exit_barrier_timeout (300 s)
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", port, is_master=False)
+        arrive_at_exit_barrier(store, "facts", rendezvous_round(store, "facts"), 1, agents=2)
+        assert first.wait(timeout=30) == 0
+    finally:
+        for proc in (first, second):
+            kill_tree(proc.pid)
 
 
 def test_a_port_in_use_for_the_store_is_a_clear_error():
@@ -47,16 +173,3 @@ def test_a_port_in_use_for_the_store_is_a_clear_error():
     assert done.returncode == 2
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("elastic-mnist rendezvous: error:") and str(port) in line
-
-
-def test_plain_torchrun_loses_the_node_that_does_not_serve_the_store(tmp_path, monkeypatch):
-    """The README's multi-node line without TORCH_DISABLE_SHARE_RDZV_TCP_STORE: the agents share
-    their store with the workers, the survivor's workers restart on a fresh store of their own."""
-    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
-    status = chaos.main(["--nodes", "2", "--start-nodes", "2", "--store", "agent", "--launch",
-                         "torchrun", "--nproc-per-node", "2", "--steps", "120", "--schedule",
-                         "30:kill-node:1",
-                         "--no-reference", "--workdir", str(tmp_path)])
-    assert status == 0  # finished; every sample once per epoch; valid checkpoints
-    assert [s["world_size"] for s in starts(tmp_path)] == [4, 2]
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in (tmp_path / "node0.log").read_text()
