@@ -27,7 +27,7 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import Trainer
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+cuda = pytest.mark.cuda
 
 
 def config(**run_flags) -> TrainConfig:
