@@ -34,6 +34,7 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog
+from elastic_mnist.fast_path import set_float32_math
 from elastic_mnist.faults import Faults
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model
@@ -205,6 +206,7 @@ class Trainer:
 
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # shapes never change: autotune once
+        self.float32_math = set_float32_math(cfg.run.precision)
         self.model = build_model(o.seed).to(device)
         if cfg.run.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -230,6 +232,7 @@ class Trainer:
         if cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
             self.net = torch.compile(self.net,
                                      mode="reduce-overhead" if device.type == "cuda" else None)
+        log.info("precision %s", self.float32_math)
         self.progress = Progress()
         self.window = _Window()
         """The step results since the last log line."""

@@ -233,10 +233,12 @@ class FloorStep:
         from elastic_mnist.cli import build_parser
         from elastic_mnist.config import train_config_from_args
         from elastic_mnist.data.datasets import load
+        from elastic_mnist.fast_path import set_float32_math
         from elastic_mnist.model import build_model
 
         opts = train_config_from_args(build_parser().parse_args(["train", *flags])).run
         self.device, self.batch, self.bf16 = device, batch, opts.precision == "bf16"
+        set_float32_math(opts.precision)  # as the worker sets it
         self.model = build_model(0).to(device)
         if opts.channels_last:  # as the worker's flags and defaults have it
             self.model.to(memory_format=torch.channels_last)

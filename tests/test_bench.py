@@ -143,6 +143,13 @@ def test_the_floor_takes_the_worker_flags_and_defaults(tiny_digits):
     plain = floor("--no-channels-last").model.layer2[0].weight
     assert plain.is_contiguous() and not plain.is_contiguous(memory_format=channels_last)
     assert floor("--precision", "bf16").bf16
+    try:  # precision, set as the worker sets it
+        floor("--precision", "tf32")
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        floor("--precision", "fp32")
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
 
 
 def test_recovery_compares_node_sh_with_plain_torchrun(tmp_path):

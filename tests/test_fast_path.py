@@ -24,6 +24,7 @@ from elastic_mnist.cli import build_parser
 from elastic_mnist.config import TrainConfig, train_config_from_args
 from elastic_mnist.data.datasets import Dataset, Digits, load
 from elastic_mnist.env import DistEnv
+from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import Trainer
 
@@ -180,6 +181,34 @@ def test_each_epoch_order_is_moved_once(tiny_digits):
     assert not torch.equal(batch, following)
 
 
+@pytest.fixture
+def tf32_switches():
+    """torch's defaults are put back afterwards: convolutions in TF32, matmuls not."""
+    yield torch.backends
+    torch.backends.cudnn.allow_tf32 = True
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+@pytest.mark.parametrize("precision, tf32", [("fp32", False), ("tf32", True), ("bf16", False)])
+def test_precision_sets_tf32_explicitly_and_the_launch_says_so(tiny_digits, tf32_switches,
+                                                               precision, tf32):
+    """fp32 is IEEE fp32, although torch runs convolutions in TF32 by default; tf32 asks for it;
+    bf16's float32 leftovers are IEEE. Both switches are set from the opposite value."""
+    backends = tf32_switches
+    backends.cudnn.allow_tf32 = backends.cuda.matmul.allow_tf32 = not tf32
+    data = load(tiny_digits, "synthetic")
+    trainer = Trainer(config(precision=precision), DistEnv(), torch.device("cpu"), data,
+                      run_id="fast", restart_generation=0)
+    assert backends.cudnn.allow_tf32 is tf32 and backends.cuda.matmul.allow_tf32 is tf32
+    # torch 2.9+'s per-operator view of the same switches agrees (and stays readable).
+    assert (backends.cudnn.conv.fp32_precision == "tf32") is tf32
+    assert backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+    assert trainer.float32_math.startswith(f"{precision} (")
+    assert ("TF32 off" in trainer.float32_math) is not tf32
+    summary = launch_summary(trainer.cfg, trainer.env, trainer.device, data, trainer)
+    assert f"precision: {trainer.float32_math}" in summary
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 
 
@@ -219,3 +248,27 @@ def test_bf16_channels_last_compiled_trains_on_the_gpu(tiny_digits):
     assert bn.num_batches_tracked.item() == 9
     assert torch.isfinite(bn.running_var).all() and (bn.running_var != 1).all()
     assert trainer.optimizer.defaults["fused"]
+
+
+@cuda
+def test_fp32_is_ieee_and_tf32_is_tf32_on_the_gpu(tiny_digits, tf32_switches):
+    """A convolution and a matmul against float64: IEEE fp32's error is ~1e-7 of the largest
+    output, TF32's (10 mantissa bits, on Ampere and newer) ~1e-3."""
+    generator = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(shape, generator=generator) for shape in ((64, 16, 14, 14),
+                                                                  (32, 16, 5, 5)))
+    a, b = (torch.randn(shape, generator=generator) for shape in ((256, 1568), (1568, 10)))
+    exact_conv = F.conv2d(x.double(), w.double(), padding=2)
+    exact_mm = a.double() @ b.double()
+
+    def errors(precision: str) -> tuple[float, float]:
+        Trainer(config(precision=precision), DistEnv(), torch.device("cuda"),
+                load(tiny_digits, "synthetic"), run_id="fast", restart_generation=0)
+        conv = F.conv2d(x.cuda(), w.cuda(), padding=2).double().cpu()
+        mm = (a.cuda() @ b.cuda()).double().cpu()
+        return ((conv - exact_conv).abs().max().item() / exact_conv.abs().max().item(),
+                (mm - exact_mm).abs().max().item() / exact_mm.abs().max().item())
+
+    assert max(errors("fp32")) < 5e-5
+    if torch.cuda.get_device_capability() >= (8, 0):
+        assert min(errors("tf32")) > 1e-4
