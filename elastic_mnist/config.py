@@ -101,7 +101,8 @@ class RunConfig:
     """Keep weights and activations channels-last (NHWC): a third faster on CPU (oneDNN), and
     the layout of fast GPU convolutions."""
     compile: bool = False
-    """torch.compile the model, with CUDA graphs on a GPU (compiling adds to the start-up)."""
+    """torch.compile the model (compiling adds to the start-up); on a GPU with CUDA graphs where
+    each rank runs one micro-batch per step, without them where it accumulates several."""
     log_every: int = 20
     """Log training scalars every N optimizer steps."""
     pg_timeout: float = 120.0

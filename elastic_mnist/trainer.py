@@ -34,7 +34,7 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog
-from elastic_mnist.fast_path import set_float32_math
+from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.faults import Faults
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model
@@ -229,10 +229,12 @@ class Trainer:
             for tensor in self.model.state_dict().values():
                 dist.broadcast(tensor, src=0)
         self.net: nn.Module = self.ddp if self.ddp is not None else self.model
-        if cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
-            self.net = torch.compile(self.net,
-                                     mode="reduce-overhead" if device.type == "cuda" else None)
-        log.info("precision %s", self.float32_math)
+        self.compilation = choose_compilation(
+            device.type, micro_batches_per_rank(o.global_batch_size, o.micro_batch_size,
+                                                env.world_size), cfg.run.compile)
+        if self.compilation.mode is not None:  # with or without CUDA graphs: fast_path.py
+            self.net = torch.compile(self.net, mode=self.compilation.mode)
+        log.info("precision %s; compile: %s", self.float32_math, self.compilation.describe())
         self.progress = Progress()
         self.window = _Window()
         """The step results since the last log line."""

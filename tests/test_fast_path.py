@@ -19,11 +19,18 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from elastic_mnist import trainer as trainer_module
 from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.cli import build_parser
 from elastic_mnist.config import TrainConfig, train_config_from_args
 from elastic_mnist.data.datasets import Dataset, Digits, load
 from elastic_mnist.env import DistEnv
+from elastic_mnist.fast_path import (
+    CUDA_GRAPHS,
+    NO_CUDA_GRAPHS,
+    choose_compilation,
+    micro_batches_per_rank,
+)
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import Trainer
@@ -181,6 +188,53 @@ def test_each_epoch_order_is_moved_once(tiny_digits):
     assert not torch.equal(batch, following)
 
 
+@pytest.mark.parametrize("device, micro_batches, compile, mode", [
+    ("cuda", 1, True, CUDA_GRAPHS),
+    ("cuda", 2, True, NO_CUDA_GRAPHS),
+    ("cuda", 4, True, NO_CUDA_GRAPHS),
+    ("cpu", 1, True, NO_CUDA_GRAPHS),
+    ("cpu", 4, True, NO_CUDA_GRAPHS),
+    ("cuda", 1, False, None),
+    ("cuda", 4, False, None),
+])
+def test_cuda_graphs_only_where_no_rank_accumulates(device, micro_batches, compile, mode):
+    """A CUDA graph's replay overwrites the gradients an accumulation adds to."""
+    chosen = choose_compilation(device, micro_batches, compile)
+    assert chosen.mode == mode
+    assert ("no CUDA graphs" in chosen.describe()) == (mode == NO_CUDA_GRAPHS)
+    assert chosen.describe() == "off" or f"mode={mode!r}" in chosen.describe()
+
+
+def test_micro_batches_per_rank_follow_the_world_size():
+    assert [micro_batches_per_rank(128, 32, world) for world in (1, 2, 3, 4, 8)] == [4, 2, 2, 1, 1]
+    assert micro_batches_per_rank(100, 30, 1) == 4  # the short last one counts
+    assert micro_batches_per_rank(1000, 1000, 1) == 1
+
+
+def test_the_trainer_compiles_as_chosen_for_its_launch(tiny_digits, monkeypatch):
+    """The mode passed to torch.compile is the choice for this launch's world size, and the
+    launch summary says it (global 64 in micro-batches of 32: 2 per rank alone, 1 at 2 ranks)."""
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: modes.append(mode) or model)
+    seen = []
+    choose = trainer_module.choose_compilation
+    monkeypatch.setattr(trainer_module, "choose_compilation",
+                        lambda *args: seen.append(args) or choose(*args))
+    monkeypatch.setattr(dist, "broadcast", lambda tensor, src: None)  # no group at world size 2
+    data = load(tiny_digits, "synthetic")
+    for env in (DistEnv(), DistEnv(rank=1, local_rank=1, world_size=2, local_world_size=2)):
+        trainer = Trainer(config(compile=True), env, torch.device("cpu"), data, run_id="fast",
+                          restart_generation=0)
+    assert seen == [("cpu", 2, True), ("cpu", 1, True)]
+    assert modes == [NO_CUDA_GRAPHS, NO_CUDA_GRAPHS]
+    summary = launch_summary(trainer.cfg, trainer.env, trainer.device, data, trainer)
+    assert f"compile: torch.compile mode={NO_CUDA_GRAPHS!r}" in summary
+    plain = Trainer(config(), DistEnv(), torch.device("cpu"), data, run_id="fast",
+                    restart_generation=0)
+    assert plain.compilation.mode is None and plain.net is plain.model and len(modes) == 2
+    assert "compile: off" in launch_summary(plain.cfg, plain.env, plain.device, data, plain)
+
+
 @pytest.fixture
 def tf32_switches():
     """torch's defaults are put back afterwards: convolutions in TF32, matmuls not."""
@@ -248,6 +302,35 @@ def test_bf16_channels_last_compiled_trains_on_the_gpu(tiny_digits):
     assert bn.num_batches_tracked.item() == 9
     assert torch.isfinite(bn.running_var).all() and (bn.running_var != 1).all()
     assert trainer.optimizer.defaults["fused"]
+
+
+@cuda
+@pytest.mark.parametrize("micro_batch_size", [64, 16])
+def test_compiled_steps_give_eager_gradients(tiny_digits, tf32_switches, micro_batch_size):
+    """One micro-batch per step (CUDA graphs) and four accumulated (without them): the compiled
+    model's gradients and losses are eager's, to rounding, step after step."""
+    runs = []
+    for compile in (False, True):
+        torch._dynamo.reset()
+        cfg = config(compile=compile)
+        cfg.optim.micro_batch_size = micro_batch_size
+        trainer = Trainer(cfg, DistEnv(), torch.device("cuda"), load(tiny_digits, "synthetic"),
+                          run_id="fast", restart_generation=0)
+        grads, losses = [], []
+        for _ in range(3):
+            batch = trainer.global_batch()
+            losses.append(trainer.train_step(batch, stop_requested=False).loss)
+            trainer.advance(len(batch))
+            grads.append([p.grad.detach().clone() for p in trainer.model.parameters()])
+        runs.append((trainer, grads, losses))
+    (_, eager_grads, eager_losses), (compiled, compiled_grads, compiled_losses) = runs
+    graphs = compiled.compilation.mode == CUDA_GRAPHS
+    assert graphs == (micro_batch_size == 64)
+    for step, (ours, theirs) in enumerate(zip(compiled_grads, eager_grads), 1):
+        for got, want in zip(ours, theirs):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * want.abs().max().item(),
+                                       msg=f"step {step}, CUDA graphs {graphs}")
+    torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=0)
 
 
 @cuda
