@@ -155,15 +155,16 @@ def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEn
              computing: contextlib.AbstractContextManager | None = None) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
 
+    ``digits`` on ``device`` (the Trainer keeps both splits there) means no batch is copied.
     ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait).
     """
     was_training = model.training
     model.eval()
-    mine = torch.arange(env.rank, len(digits), env.world_size)
+    mine = torch.arange(env.rank, len(digits), env.world_size, device=digits.labels.device)
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
     with computing or contextlib.nullcontext():
         for indices in torch.split(mine, batch_size):
-            images, labels = digits.batch(indices.to(digits.labels.device))
+            images, labels = digits.batch(indices)  # where the split lives: on the device
             logits = model(images.to(device, non_blocking=True))
             labels = labels.to(device, non_blocking=True)
             totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
@@ -189,6 +190,7 @@ class Trainer:
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
         self.train_data = dataset.train.to(device)
+        self.test_data = dataset.test.to(device)  # both splits resident: no copy per batch
         self.metrics = metrics or NullMetrics()
         self.checkpointer = checkpointer or NullCheckpointer()
         self.audit = audit or AuditLog(None)
@@ -479,7 +481,7 @@ class Trainer:
 
     def log_evaluation(self) -> tuple[float, float]:
         step = self.progress.step
-        loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env,
+        loss, accuracy = evaluate(self.model, self.test_data, self.device, self.env,
                                   computing=self.watchdog.busy("evaluating"))
         with self.watchdog.busy("logging"):
             self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
@@ -496,13 +498,13 @@ class Trainer:
     @torch.no_grad()
     def prediction_grid(self, count: int = 16) -> torch.Tensor:
         """The first test digits with the model's predictions, as an RGB image."""
-        test = self.dataset.test
-        indices = torch.arange(min(count, len(test)))
-        images, labels = test.batch(indices)
+        test = self.dataset.test  # the host's copy, for the picture
+        count = min(count, len(test))
+        images, _ = self.test_data.batch(torch.arange(count, device=self.test_data.labels.device))
         self.model.eval()
-        predicted = self.model(images.to(self.device)).argmax(1).cpu()
+        predicted = self.model(images).argmax(1).cpu()
         self.model.train()
-        return prediction_grid(test.images[indices], predicted, labels)
+        return prediction_grid(test.images[:count], predicted, test.labels[:count])
 
 
 class _Window:

@@ -33,7 +33,7 @@ from elastic_mnist.fast_path import (
 )
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Trainer
+from elastic_mnist.trainer import Trainer, evaluate
 
 cuda = pytest.mark.cuda
 
@@ -263,6 +263,17 @@ def test_precision_sets_tf32_explicitly_and_the_launch_says_so(tiny_digits, tf32
     assert f"precision: {trainer.float32_math}" in summary
 
 
+def test_the_evaluation_reads_the_test_split_kept_on_the_device(tiny_digits, monkeypatch):
+    trainer = trained(tiny_digits, config(), steps=1)
+    assert trainer.test_data.images.device == trainer.device
+    assert torch.equal(trainer.test_data.images, trainer.dataset.test.images)
+    evaluated = []
+    monkeypatch.setattr(trainer_module, "evaluate",
+                        lambda model, digits, *args, **kwargs: evaluated.append(digits) or (1, 0))
+    trainer.log_evaluation()
+    assert evaluated == [trainer.test_data]
+
+
 # --- on a GPU ----------------------------------------------------------------------------------
 
 
@@ -331,6 +342,20 @@ def test_compiled_steps_give_eager_gradients(tiny_digits, tf32_switches, micro_b
             torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4 * want.abs().max().item(),
                                        msg=f"step {step}, CUDA graphs {graphs}")
     torch.testing.assert_close(compiled_losses, eager_losses, rtol=1e-4, atol=0)
+
+
+@cuda
+def test_evaluation_copies_nothing_from_the_host(tiny_digits):
+    from torch.profiler import ProfilerActivity, profile
+
+    trainer = trained(tiny_digits, config(), steps=1, device="cuda")
+    assert trainer.test_data.images.is_cuda and trainer.test_data.images.dtype == torch.uint8
+    evaluate(trainer.model, trainer.test_data, trainer.device, trainer.env, batch_size=64)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        evaluate(trainer.model, trainer.test_data, trainer.device, trainer.env, batch_size=64)
+        torch.cuda.synchronize()
+    copies = [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+    assert not [name for name in copies if "HtoD" in name], copies
 
 
 @cuda
