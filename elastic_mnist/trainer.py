@@ -236,6 +236,8 @@ class Trainer:
                                                 env.world_size), cfg.run.compile)
         if self.compilation.mode is not None:  # with or without CUDA graphs: fast_path.py
             self.net = torch.compile(self.net, mode=self.compilation.mode)
+        self.compiled_sizes: set[int] = set()
+        """Micro-batch sizes this process has run compiled; a new one recompiles."""
         log.info("precision %s; compile: %s", self.float32_math, self.compilation.describe())
         self.progress = Progress()
         self.window = _Window()
@@ -297,7 +299,8 @@ class Trainer:
         ``--log-every`` steps, the evaluation at an epoch's end, the checkpoint when due)."""
         batch = self.global_batch()
         self.faults.maybe_hang(self.progress.step + 1)
-        result = self.train_step(batch, stop_requested)
+        with self._compiling(batch):
+            result = self.train_step(batch, stop_requested)
         self.watchdog.step_done(self.progress.step + 1, result.seconds)
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
@@ -429,6 +432,20 @@ class Trainer:
                           samples=len(batch), stop_requested=stops > 0,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
                           nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed > 0)
+
+    def _compiling(self, batch: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Under --compile, a step that gives this rank a micro-batch size it has not run yet (an
+        epoch's short last micro-batch) recompiles the model: seconds of work of its own, which
+        the watchdog must not take for a hang."""
+        if self.compilation.mode is None:
+            return contextlib.nullcontext()
+        micro_batches = self.order.micro_batches(batch)
+        sizes = {len(m) for m in share(micro_batches, self.env.rank, self.env.world_size)
+                 or micro_batches[:1]}
+        if sizes <= self.compiled_sizes:
+            return contextlib.nullcontext()
+        self.compiled_sizes |= sizes
+        return self.watchdog.busy("compiling")
 
     def _autocast(self) -> torch.autocast:
         """The forward pass in bf16 under ``--precision bf16``, else as it is."""

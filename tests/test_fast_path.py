@@ -3,13 +3,18 @@
 On CPU: channels-last is on by default and the costlier options off, each option trains and keeps
 its promises (channels-last trains like the default layout within rounding, pool-before-ReLU
 changes no bit, the BatchNorm statistics read from the kernel are the batch's, a compiled model
-records them too, DDP runs with one bucket).
-On a GPU (scripts/gpu_check.sh): the data stays there with no host-to-device copy per step, and
-bf16 + channels-last + torch.compile train.
+records them too, DDP runs with one bucket); the choices made for a GPU are made as intended
+(CUDA graphs only where no rank accumulates, TF32 set explicitly by --precision, a recompiling
+step busy for the watchdog), and said in the launch summary.
+On a GPU (tests marked ``cuda``, run by scripts/gpu_check.sh): the data stays there with no
+host-to-device copy per step or evaluation batch, compiled steps give eager's gradients with and
+without accumulation, fp32 is IEEE and tf32 is not, and bf16 + channels-last + torch.compile
+train.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
@@ -34,6 +39,7 @@ from elastic_mnist.fast_path import (
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import Trainer, evaluate
+from elastic_mnist.watchdog import NullWatchdog
 
 cuda = pytest.mark.cuda
 
@@ -261,6 +267,40 @@ def test_precision_sets_tf32_explicitly_and_the_launch_says_so(tiny_digits, tf32
     assert ("TF32 off" in trainer.float32_math) is not tf32
     summary = launch_summary(trainer.cfg, trainer.env, trainer.device, data, trainer)
     assert f"precision: {trainer.float32_math}" in summary
+
+
+class RecordingWatchdog(NullWatchdog):
+    """Notes which step each "busy" block belonged to."""
+
+    def __init__(self) -> None:
+        self.step, self.busy_at = 0, []
+
+    def step_done(self, step: int, seconds: float) -> None:
+        self.step = step
+
+    @contextlib.contextmanager
+    def busy(self, what: str):
+        self.busy_at.append((self.step + 1, what))
+        yield
+
+
+@pytest.mark.parametrize("compile", [True, False])
+def test_a_compiled_steps_new_micro_batch_size_is_busy_for_the_watchdog(tiny_digits, monkeypatch,
+                                                                        compile):
+    """640 digits in global batches of 96, micro-batches of 24: the epoch's last step (64
+    digits) ends with a micro-batch of 16, which a compiled model recompiles for. (The model
+    runs uncompiled here: what counts is that the Trainer knows it would be.)"""
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: model)
+    cfg = config(compile=compile)
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 96, 24
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="fast", restart_generation=0)
+    trainer.watchdog = RecordingWatchdog()
+    for _ in range(8):  # the whole first epoch (7 steps) and one more
+        trainer.iteration(stop_requested=False)
+    compiling = [step for step, what in trainer.watchdog.busy_at if what == "compiling"]
+    assert compiling == ([1, 7] if compile else [])
+    assert trainer.compiled_sizes == ({24, 16} if compile else set())
 
 
 def test_the_evaluation_reads_the_test_split_kept_on_the_device(tiny_digits, monkeypatch):
