@@ -12,7 +12,6 @@ import contextlib
 import json
 import logging
 import math
-import random
 import time
 import warnings
 from dataclasses import asdict, dataclass, field
@@ -41,6 +40,7 @@ from elastic_mnist.model import build_model
 from elastic_mnist.preemption import StopRequest
 from elastic_mnist.progress import LogLines
 from elastic_mnist.render import prediction_grid
+from elastic_mnist.rng import restore_rng_state, rng_state
 from elastic_mnist.watchdog import NullWatchdog
 
 log = logging.getLogger(__name__)
@@ -254,9 +254,7 @@ class Trainer:
             "model": self.model.state_dict(),  # the unwrapped module, never the DDP wrapper
             "optimizer": self.optimizer.state_dict(),
             "progress": asdict(self.progress),
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
-                    "python": list(random.getstate()[1])},
+            "rng": rng_state(self.device),  # this device's CUDA generator, not every GPU's
             "config": self.cfg.to_dict(),
             "data": {"kind": self.dataset.kind, "num_train": len(self.dataset.train),
                      "fingerprint": self.dataset.fingerprint},
@@ -272,12 +270,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # flags may change between launches
             group["weight_decay"] = self.cfg.optim.weight_decay
         self.progress = Progress(**payload["progress"])
-        rng = payload["rng"]
-        torch.set_rng_state(rng["torch"])
-        if self.device.type == "cuda" and rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        state = random.getstate()
-        random.setstate((state[0], tuple(rng["python"]), state[2]))
+        restore_rng_state(payload["rng"], self.device)
         self.resumed_from = self.progress.step
         self.resumed_source = source
 
