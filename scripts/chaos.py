@@ -395,7 +395,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--max-steps", str(args.steps),
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
                   "--run-id", "chaos", "--checkpoint-every", "10", "--log-every", "10",
-                  "--audit-samples"]
+                  "--audit-samples", "--device", "cpu"]
     faults = (parse_schedule(args.schedule) if args.schedule else
               random_schedule(rng, args.faults, args.steps // 10, args.steps * 3 // 4))
     poisoned = [f"nan-grad@{f.step}:0" for f in faults if f.kind == "nan-grad"]

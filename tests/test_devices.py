@@ -1,9 +1,10 @@
-"""A checkpoint resumes on any number of GPUs, or none.
+"""Machines with any number of GPUs, or none: the device a worker takes, and checkpoints that move.
 
-On CPU, with torch.cuda's answers faked where the logic needs a GPU: a checkpoint resumes whatever
-CUDA generator state it holds (one per GPU of an 8-GPU node, as older checkpoints did; none, from a
-CPU run; the saving device's own) wherever it is loaded. On a GPU (marked ``cuda``, run by
-scripts/gpu_check.sh): the generator state saved there comes back there.
+On CPU, with torch.cuda's answers faked where the logic needs a GPU: ``--device auto`` (or cuda)
+with more workers on a node than GPUs is one line and exit 2 on every worker; a checkpoint resumes
+whatever CUDA generator state it holds (one per GPU of an 8-GPU node, as older checkpoints did;
+none, from a CPU run; the saving device's own) wherever it is loaded. On a GPU (marked ``cuda``,
+run by scripts/gpu_check.sh): the generator state saved there comes back there.
 """
 
 from __future__ import annotations
@@ -15,10 +16,17 @@ import pytest
 import torch
 
 from elastic_mnist.checkpoint import deserialize, payload_bytes
+from elastic_mnist.cli import main
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import load
-from elastic_mnist.env import DistEnv
+from elastic_mnist.distributed import resolve_device
+from elastic_mnist.env import DistEnv, EnvError
 from elastic_mnist.trainer import Trainer
+
+
+def node(local_rank: int, local_world_size: int) -> DistEnv:
+    return DistEnv(rank=local_rank, local_rank=local_rank, world_size=local_world_size,
+                   local_world_size=local_world_size, launched=True)
 
 
 @pytest.fixture
@@ -29,6 +37,57 @@ def gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
 
     return see
+
+
+@pytest.mark.parametrize("choice", ["auto", "cuda"])
+@pytest.mark.parametrize("local_rank", [0, 1])
+def test_more_workers_than_gpus_is_said_by_every_worker(gpus, choice, local_rank):
+    gpus(1)
+    with pytest.raises(EnvError) as refused:
+        resolve_device(choice, node(local_rank, 2))
+    message = str(refused.value)
+    assert message.startswith(f"LOCAL_RANK={local_rank} of LOCAL_WORLD_SIZE=2 but only 1 GPU(s)")
+    assert "--nproc_per_node to 1" in message and "\n" not in message
+
+
+def test_each_worker_takes_the_gpu_of_its_local_rank(gpus):
+    gpus(8)
+    assert resolve_device("auto", node(1, 2)) == torch.device("cuda", 1)
+    assert resolve_device("cpu", node(1, 2)) == torch.device("cpu")
+    gpus(0)
+    assert resolve_device("auto", node(1, 2)) == torch.device("cpu")
+    with pytest.raises(EnvError, match="no CUDA GPU is visible"):
+        resolve_device("cuda", node(0, 1))
+
+
+@pytest.fixture
+def root_logging():
+    """The worker sets the root logger up for its rank: put back as it was."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+
+
+@pytest.mark.filterwarnings("ignore:Unable to enable fault handler")
+def test_the_worker_says_it_in_one_line_and_exits_2(gpus, monkeypatch, capsys, root_logging,
+                                                    tmp_path):
+    """Local rank 1 of two on a one-GPU laptop, as torchrun would start it."""
+    gpus(1)
+    for name, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                        "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(name, value)
+    status = main(["train", "--dataset", "synthetic", "--data-dir", str(tmp_path / "data"),
+                   "--checkpoint-dir", str(tmp_path / "ckpt")])
+    assert status == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "elastic-mnist train: error: LOCAL_RANK=1 of LOCAL_WORLD_SIZE=2 but only 1 GPU(s)"), lines
+    assert not (tmp_path / "data").exists() and not (tmp_path / "ckpt").exists()
+
+
+# --- the generators a checkpoint carries, on any device count ---------------------------------
 
 
 @pytest.fixture
