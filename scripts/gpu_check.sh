@@ -11,8 +11,9 @@
 #   3. a smoke test of the real launch: `torchrun --standalone --nproc_per_node=2 -m elastic_mnist
 #      train --device cuda` (NCCL) when two GPUs are visible, one worker on one GPU otherwise,
 #      SMOKE_STEPS (4) steps, then as many more resumed from its checkpoint, with SMOKE_FLAGS
-#      added (SMOKE_FLAGS=--compile: DDP with CUDA graphs); it fails unless both launches exit 0
-#      and the checkpoints, events and log say what they should (scripts/check_smoke.py);
+#      added (SMOKE_FLAGS=--compile: on two GPUs, DDP with CUDA graphs); it fails unless both
+#      launches exit 0 and the checkpoints, events and log say what they should
+#      (scripts/check_smoke.py);
 #   4. scripts/bench.py on the GPU: the fast path at batch 1,000, with and without accumulation,
 #      against the seed loop, and one 60,000-sample epoch.
 #
