@@ -93,13 +93,16 @@ class RunConfig:
     """Name of the run (default: the one kept beside the checkpoints, else torchrun's, else new)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto: cuda:LOCAL_RANK with NCCL when a GPU is visible, else CPU with gloo."""
-    precision: Literal["fp32", "bf16"] = "fp32"
-    """Arithmetic of the forward pass: fp32, or bf16 autocast (weights and optimizer stay fp32)."""
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
+    """Arithmetic of convolutions and matmuls on a GPU: fp32 is IEEE fp32 (TF32 off, which torch
+    leaves on for convolutions), tf32 uses TF32 tensor cores (Ampere and newer), bf16 is bf16
+    autocast; weights and optimizer stay fp32 (on CPU tf32 is fp32)."""
     channels_last: bool = True
     """Keep weights and activations channels-last (NHWC): a third faster on CPU (oneDNN), and
     the layout of fast GPU convolutions."""
     compile: bool = False
-    """torch.compile the model, with CUDA graphs on a GPU (compiling adds to the start-up)."""
+    """torch.compile the model (compiling adds to the start-up); on a GPU with CUDA graphs where
+    each rank runs one micro-batch per step, without them where it accumulates several."""
     log_every: int = 20
     """Log training scalars every N optimizer steps."""
     pg_timeout: float = 120.0

@@ -26,9 +26,10 @@ def resolve_device(choice: str, env: DistEnv) -> torch.device:
     if not torch.cuda.is_available():
         raise EnvError("--device cuda was asked for, but no CUDA GPU is visible")
     visible = torch.cuda.device_count()
-    if env.local_rank >= visible:
-        raise EnvError(f"LOCAL_RANK={env.local_rank} but only {visible} GPU(s) are visible; "
-                       f"lower --nproc_per_node")
+    if max(env.local_rank, env.local_world_size - 1) >= visible:  # every worker says it at once
+        raise EnvError(f"LOCAL_RANK={env.local_rank} of LOCAL_WORLD_SIZE={env.local_world_size} "
+                       f"but only {visible} GPU(s) are visible; lower --nproc_per_node to "
+                       f"{visible}, or pass --device cpu")
     return torch.device("cuda", env.local_rank)
 
 

@@ -388,6 +388,8 @@ def launch_summary(cfg: TrainConfig, env: DistEnv, device: torch.device, dataset
         f"command: `{' '.join(sys.argv)}`",
         f"torch {torch.__version__}, python {platform.python_version()}, host {platform.node()}",
         f"world: {env.describe()}, device {device}",
+        f"precision: {trainer.float32_math}",
+        f"compile: {trainer.compilation.describe()}",
         f"data: {dataset.describe()}",
         f"resumed from: {trainer.resumed_source or 'nothing (a fresh start)'}",
     ]

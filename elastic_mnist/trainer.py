@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import math
-import random
 import time
 import warnings
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
+from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.faults import Faults
 from elastic_mnist.membership import CannotRecover, Change, NullMembership, Position
 from elastic_mnist.metrics import NullMetrics
@@ -46,6 +46,7 @@ from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.preemption import StopRequest
 from elastic_mnist.progress import LogLines
 from elastic_mnist.render import prediction_grid
+from elastic_mnist.rng import restore_rng_state, rng_state
 from elastic_mnist.watchdog import NullWatchdog
 
 log = logging.getLogger(__name__)
@@ -202,17 +203,18 @@ def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEn
              ) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
 
+    ``digits`` on ``device`` (the Trainer keeps both splits there) means no batch is copied.
     ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait);
     ``all_reduce_`` sums the ranks' totals (and reads them).
     """
     was_training = model.training
     model.eval()
     try:
-        mine = torch.arange(env.rank, len(digits), env.world_size)
+        mine = torch.arange(env.rank, len(digits), env.world_size, device=digits.labels.device)
         totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
         with computing or contextlib.nullcontext():
             for indices in torch.split(mine, batch_size):
-                images, labels = digits.batch(indices.to(digits.labels.device))
+                images, labels = digits.batch(indices)  # where the split lives: on the device
                 logits = model(images.to(device, non_blocking=True))
                 labels = labels.to(device, non_blocking=True)
                 totals[0] += F.cross_entropy(logits, labels, reduction="sum").double()
@@ -239,6 +241,7 @@ class Trainer:
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
         self.train_data = dataset.train.to(device)
+        self.test_data = dataset.test.to(device)  # both splits resident: no copy per batch
         self.metrics = metrics or NullMetrics()
         self.checkpointer = checkpointer or NullCheckpointer()
         self.audit = audit or AuditLog(None)
@@ -265,6 +268,7 @@ class Trainer:
 
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # shapes never change: autotune once
+        self.float32_math = set_float32_math(cfg.run.precision)
         self.model = build_model(o.seed).to(device)
         if cfg.run.channels_last:
             self.model.to(memory_format=torch.channels_last)
@@ -280,6 +284,9 @@ class Trainer:
         self._retired: list[nn.Module] = []
         """Wrappers of groups left behind: gloo's threads may still wait in them."""
         self.flags = StepFlags(env.rank, env.world_size, device)
+        self.compiled_sizes: set[int] = set()
+        """Micro-batch sizes this process has run compiled; a new one recompiles."""
+        log.info("precision %s; compile: %s", self.float32_math, self.compilation.describe())
         self.progress = Progress()
         self.window = _Window()
         """The step results since the last log line."""
@@ -301,8 +308,12 @@ class Trainer:
                     gradient_as_bucket_view=True)  # no copy between gradients and bucket
             ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
         net: nn.Module = ddp if ddp is not None else self.model
-        if self.cfg.run.compile:  # on a GPU, CUDA graphs launch a whole pass at once
-            net = torch.compile(net, mode="reduce-overhead" if self.device.type == "cuda" else None)
+        o = self.cfg.optim  # the micro-batches per rank change with the world size: chosen anew
+        self.compilation = choose_compilation(
+            self.device.type, micro_batches_per_rank(o.global_batch_size, o.micro_batch_size,
+                                                     self.env.world_size), self.cfg.run.compile)
+        if self.compilation.mode is not None:  # with or without CUDA graphs: fast_path.py
+            net = torch.compile(net, mode=self.compilation.mode)
         return ddp, net
 
     # --- state ---------------------------------------------------------------------------------
@@ -314,9 +325,7 @@ class Trainer:
             "model": self.model.state_dict(),  # the unwrapped module, never the DDP wrapper
             "optimizer": self.optimizer.state_dict(),
             "progress": asdict(self.progress),
-            "rng": {"torch": torch.get_rng_state(),
-                    "cuda": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else [],
-                    "python": list(random.getstate()[1])},
+            "rng": rng_state(self.device),  # this device's CUDA generator, not every GPU's
             "config": self.cfg.to_dict(),
             "data": {"kind": self.dataset.kind, "num_train": len(self.dataset.train),
                      "fingerprint": self.dataset.fingerprint},
@@ -338,12 +347,7 @@ class Trainer:
         for group in self.optimizer.param_groups:  # flags may change between launches
             group["weight_decay"] = self.cfg.optim.weight_decay
         self.progress = Progress(**payload["progress"])
-        rng = payload["rng"]
-        torch.set_rng_state(rng["torch"])
-        if self.device.type == "cuda" and rng["cuda"]:
-            torch.cuda.set_rng_state_all(rng["cuda"])
-        state = random.getstate()
-        random.setstate((state[0], tuple(rng["python"]), state[2]))
+        restore_rng_state(payload["rng"], self.device)
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -375,7 +379,8 @@ class Trainer:
         ``--log-every`` steps, the evaluation at an epoch's end, the checkpoint when due)."""
         batch = self.global_batch()
         self.faults.maybe_hang(self.progress.step + 1)
-        result = self.train_step(batch, stop_requested)
+        with self._compiling(batch):
+            result = self.train_step(batch, stop_requested)
         self.watchdog.step_done(self.progress.step + 1, result.seconds)
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
@@ -451,6 +456,7 @@ class Trainer:
             self.load_state(payload)
         self._retired.append(self.net)
         self.ddp, self.net = self._wrap()
+        self.compiled_sizes = set()
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         digests = distributed.all_gather_object(state_digest(self.model.state_dict()), self.device)
         if len(set(digests)) != 1:
@@ -615,6 +621,20 @@ class Trainer:
                           nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed,
                           leavers=leavers)
 
+    def _compiling(self, batch: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Under --compile, a step that gives this rank a micro-batch size it has not run yet (an
+        epoch's short last micro-batch) recompiles the model: seconds of work of its own, which
+        the watchdog must not take for a hang."""
+        if self.compilation.mode is None:
+            return contextlib.nullcontext()
+        micro_batches = self.order.micro_batches(batch)
+        sizes = {len(m) for m in share(micro_batches, self.env.rank, self.env.world_size)
+                 or micro_batches[:1]}
+        if sizes <= self.compiled_sizes:
+            return contextlib.nullcontext()
+        self.compiled_sizes |= sizes
+        return self.watchdog.busy("compiling")
+
     def _autocast(self) -> torch.autocast:
         """The forward pass in bf16 under ``--precision bf16``, else as it is."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
@@ -679,7 +699,7 @@ class Trainer:
 
     def log_evaluation(self) -> tuple[float, float]:
         step = self.progress.step
-        loss, accuracy = evaluate(self.model, self.dataset.test, self.device, self.env,
+        loss, accuracy = evaluate(self.model, self.test_data, self.device, self.env,
                                   computing=self.watchdog.busy("evaluating"),
                                   all_reduce_=self._all_reduce_)
         with self.watchdog.busy("logging"):
@@ -697,13 +717,13 @@ class Trainer:
     @torch.no_grad()
     def prediction_grid(self, count: int = 16) -> torch.Tensor:
         """The first test digits with the model's predictions, as an RGB image."""
-        test = self.dataset.test
-        indices = torch.arange(min(count, len(test)))
-        images, labels = test.batch(indices)
+        test = self.dataset.test  # the host's copy, for the picture
+        count = min(count, len(test))
+        images, _ = self.test_data.batch(torch.arange(count, device=self.test_data.labels.device))
         self.model.eval()
-        predicted = self.model(images.to(self.device)).argmax(1).cpu()
+        predicted = self.model(images).argmax(1).cpu()
         self.model.train()
-        return prediction_grid(test.images[indices], predicted, labels)
+        return prediction_grid(test.images[:count], predicted, test.labels[:count])
 
 
 class _Window:

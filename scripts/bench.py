@@ -46,12 +46,14 @@ the final evaluation are outside every figure. The contenders:
               optimizers and DDP import: the rest is ours
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
+  fast_accumulating   the same worker with that batch cut into FAST_MICRO_BATCHES micro-batches,
+              which it accumulates: compiled without CUDA graphs (elastic_mnist/fast_path.py)
 
 CPU runs paired, worker, seed, checkpoint, both recoveries, real and startup (ddp and floor in
-processes of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast
-and real (``--only`` picks others). Without ``--data-dir`` the throughput contenders train on 60,000
-synthetic digits generated once into bench/data (MNIST cannot be downloaded everywhere);
-results.json says which data was used.
+processes of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast,
+fast_accumulating and real (``--only`` picks others). Without ``--data-dir`` the throughput
+contenders train on 60,000 synthetic digits generated once into bench/data (MNIST cannot be
+downloaded everywhere); results.json says which data was used.
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ BATCH = 100
 """The seeds' batch size, and every contender's but the GPU fast path's."""
 GPU_FAST_BATCH = 1000
 """Batch of the GPU fast path (it divides 60,000: no short last batch to recompile for)."""
+FAST_MICRO_BATCHES = 4
+"""Micro-batches per step of the accumulating fast path (the default flags' count on one GPU)."""
 FAST_FLAGS = ["--precision", "bf16", "--channels-last", "--compile"]
 TUNED_FLAGS = {"cpu": [], "cuda": FAST_FLAGS}
 """Our worker's flags per device. On CPU the defaults are the fast ones (channels-last, on by
@@ -233,19 +237,21 @@ class FloorStep:
         from elastic_mnist.cli import build_parser
         from elastic_mnist.config import train_config_from_args
         from elastic_mnist.data.datasets import load
+        from elastic_mnist.fast_path import choose_compilation, set_float32_math
         from elastic_mnist.model import build_model
 
         opts = train_config_from_args(build_parser().parse_args(["train", *flags])).run
         self.device, self.batch, self.bf16 = device, batch, opts.precision == "bf16"
+        set_float32_math(opts.precision)  # as the worker sets it
         self.model = build_model(0).to(device)
         if opts.channels_last:  # as the worker's flags and defaults have it
             self.model.to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3,
                                            fused=device.type == "cuda")
         self.net = self.model
-        if opts.compile:
-            self.net = torch.compile(self.model,
-                                     mode="reduce-overhead" if device.type == "cuda" else None)
+        self.compilation = choose_compilation(device.type, 1, opts.compile)  # a batch per step
+        if self.compilation.mode is not None:
+            self.net = torch.compile(self.model, mode=self.compilation.mode)
         train = load(Path(data_dir), kind).train
         generator = torch.Generator().manual_seed(0)
         order = torch.randperm(count * batch, generator=generator) % len(train)
@@ -491,12 +497,12 @@ class Bench:
         return json.loads(result.read_text()), finished
 
     def worker(self, name: str, flags: list[str], launcher: list[str] | None = None,
-               batch: int = BATCH) -> tuple[Path, Finished]:
+               batch: int = BATCH, micro_batch: int | None = None) -> tuple[Path, Finished]:
         """Our worker (in one process, or under ``launcher``): its run folder and process."""
         work = self.scratch(name)
         cmd = [*(launcher or [sys.executable, "-m", "elastic_mnist", "train"]),
                *self.train_args(work, *self.steps_flags(batch, self.sizes.steps,
-                                                        self.sizes.warmup), *flags)]
+                                                        self.sizes.warmup, micro_batch), *flags)]
         finished = run(cmd, work / "log.txt", self.env, self.sizes.timeout_s)
         return work / "runs" / "bench", finished
 
@@ -732,6 +738,14 @@ def measure_fast(b: Bench) -> dict[str, float]:
             "fast_startup_s": first_window - began}
 
 
+def measure_fast_accumulating(b: Bench) -> dict[str, float]:
+    """The fast path with gradient accumulation, which compiles without CUDA graphs."""
+    run_dir, _ = b.worker("fast-accumulating", FAST_FLAGS, batch=GPU_FAST_BATCH,
+                          micro_batch=GPU_FAST_BATCH // FAST_MICRO_BATCHES)
+    return {"fast_accumulating_samples_per_s":
+            worker_samples_per_s(run_dir, GPU_FAST_BATCH, b.sizes.warmup)}
+
+
 def measure_fast_floor(b: Bench) -> dict[str, float]:
     return {"fast_floor_samples_per_s": b.floor(GPU_FAST_BATCH, FAST_FLAGS)}
 
@@ -742,11 +756,12 @@ CONTENDERS: dict[str, Callable[[Bench], dict[str, float]]] = {
     "ddp": measure_ddp,
     "recovery_shipped": measure_recovery_shipped, "recovery_defaults": measure_recovery_defaults,
     "real": measure_real, "fast": measure_fast, "fast_floor": measure_fast_floor,
+    "fast_accumulating": measure_fast_accumulating,
     "startup": measure_startup,
 }
 CPU_SET = ["paired", "worker", "seed", "checkpoint", "recovery_shipped",
            "recovery_defaults", "real", "startup"]
-GPU_SET = ["seed", "defaults", "fast", "real"]
+GPU_SET = ["seed", "defaults", "fast", "fast_accumulating", "real"]
 """On a GPU the tuned flags compile, which takes time: they run once, at the fast path's batch."""
 
 
@@ -870,6 +885,9 @@ ROWS = [
     Row("recovery_defaults_start_s", "… of which until the new workers' start", "s"),
     Row("fast_samples_per_s", "GPU fast path, batch {fast_batch}: {fast}", "samples/s"),
     Row("fast_floor_samples_per_s", "GPU fast path's compute floor", "samples/s"),
+    Row("fast_accumulating_samples_per_s",
+        "GPU fast path, {fast_micro} micro-batches per step (compiled without CUDA graphs)",
+        "samples/s"),
     Row("fast_vs_seed", "GPU fast path ÷ seed loop", "×", ("≥", 20.0)),
     Row("fast_vs_floor_pct", "GPU fast path ÷ its compute floor", "%"),
     Row("fast_epoch_s", "One 60,000-sample epoch, training time", "s", ("≤", 1.0)),
@@ -905,6 +923,7 @@ def table(results: dict) -> str:
     names = {"tuned": f"`{' '.join(m['tuned_flags'])}`" if m["tuned_flags"] else "default flags",
              "fast": f"`{' '.join(FAST_FLAGS)}`",
              "fast_batch": m["gpu_fast_batch"], "epochs": m["real_epochs"],
+             "fast_micro": m.get("fast_micro_batches", FAST_MICRO_BATCHES),
              "block": m.get("paired_block", "N")}
     lines = ["| | median | min | max | unit | target |", "|---|---:|---:|---:|---|---|"]
     for row, figure, met in judged(results):
@@ -964,6 +983,7 @@ def results_record(b: Bench, names: list[str], outcome: Outcome, argv: list[str]
                    "contenders": names,
                    "batch": BATCH, "steps": b.sizes.steps, "warmup_steps": b.sizes.warmup,
                    "tuned_flags": b.tuned_flags, "gpu_fast_batch": GPU_FAST_BATCH,
+                   "fast_micro_batches": FAST_MICRO_BATCHES,
                    "real_epochs": b.sizes.real_epochs, "paired_block": b.sizes.paired_block},
         "figures": summarize(outcome.reps),
         "errors": outcome.errors,

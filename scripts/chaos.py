@@ -471,7 +471,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
                   "--run-id", "chaos", "--checkpoint-every", str(args.checkpoint_every),
                   "--keep-last", str(args.keep_last), "--log-every", "10",
-                  "--audit-samples", "--recovery", args.recovery,
+                  "--audit-samples", "--device", "cpu", "--recovery", args.recovery,
                   *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout else [])]
     (workdir / "train_args.json").write_text(json.dumps(train_args))
     faults = (parse_schedule(args.schedule) if args.schedule else

@@ -13,8 +13,8 @@ scripts=$(dirname "$(realpath "$0")")
 data=$(realpath "$1"); out=$2
 mkdir -p "$out" && cd "$out" && rm -rf ckpt runs
 export OMP_NUM_THREADS=1 TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-args=(train --data-dir "$data" --no-download --epochs 3 --checkpoint-dir ckpt --logdir runs
-      --run-id demo --checkpoint-every 10 --log-every 5)
+args=(train --device cpu --data-dir "$data" --no-download --epochs 3 --checkpoint-dir ckpt
+      --logdir runs --run-id demo --checkpoint-every 10 --log-every 5)  # the figures' CPU run
 
 wait_for_step() { until [[ -f ckpt/step-$(printf %08d "$1").json ]]; do sleep 0.1; done; }
 

@@ -148,7 +148,7 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
                   f"--output={work}/elastic-mnist-%j.out", str(SBATCH),
                   "--dataset", "synthetic", "--no-download", "--epochs", str(epochs),
                   "--max-steps", str(steps), "--checkpoint-every", "50", "--log-every", "50",
-                  "--audit-samples"], cwd=REPO, env=env)
+                  "--audit-samples", "--device", "cpu"], cwd=REPO, env=env)
     if sbatch.returncode != 0:
         raise CheckFailed(f"sbatch refused the job: {sbatch.stderr.strip()}")
     job = Job(sbatch.stdout.strip().split(";")[0], work, deadline)

@@ -12,6 +12,18 @@ pytest_plugins = ["shared_runs"]  # the expensive runs, launched once and shared
 REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
 
 
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``cuda`` run where a CUDA GPU is visible and are skipped elsewhere."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("cuda") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_digits(tmp_path_factory) -> Path:
     """A small synthetic dataset (640 train, 256 test) written once by `elastic-mnist synth`."""

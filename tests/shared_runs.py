@@ -27,8 +27,9 @@ from launch import kill_tree, run, start, torchrun_cmd
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.cli import main
 
-FLAGS = ["--dataset", "synthetic", "--global-batch-size", "64", "--micro-batch-size", "16",
-         "--log-every", "2", "--epochs", "4"]
+FLAGS = ["--device", "cpu", "--dataset", "synthetic", "--global-batch-size", "64",
+         "--micro-batch-size", "16", "--log-every", "2", "--epochs", "4"]
+"""Every run here pins the CPU: two workers on a one-GPU machine would otherwise want two GPUs."""
 STEPS = 40
 """Steps of a whole run: 4 epochs of 640 samples at 64 a step."""
 
@@ -73,7 +74,8 @@ def newest(checkpoint_dir: Path) -> dict:
 
 
 def evaluate(checkpoint_dir: Path, *flags: str) -> dict:
-    return command_json("evaluate", "--checkpoint-dir", str(checkpoint_dir), *flags)
+    return command_json("evaluate", "--checkpoint-dir", str(checkpoint_dir), "--device", "cpu",
+                        *flags)
 
 
 @pytest.fixture(scope="session")

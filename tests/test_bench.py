@@ -143,6 +143,14 @@ def test_the_floor_takes_the_worker_flags_and_defaults(tiny_digits):
     plain = floor("--no-channels-last").model.layer2[0].weight
     assert plain.is_contiguous() and not plain.is_contiguous(memory_format=channels_last)
     assert floor("--precision", "bf16").bf16
+    try:  # precision and compilation, chosen as the worker chooses them
+        floor("--precision", "tf32")
+        assert torch.backends.cudnn.allow_tf32 and torch.backends.cuda.matmul.allow_tf32
+        floor("--precision", "fp32")
+        assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = True, False
+    assert floor("--compile").compilation.mode == "default" and floor().compilation.mode is None
 
 
 def test_recovery_compares_node_sh_with_plain_torchrun(tmp_path):
@@ -155,3 +163,27 @@ def test_recovery_compares_node_sh_with_plain_torchrun(tmp_path):
     assert "--nproc_per_node=2" in shipped and shipped[-3:] == ["train", "--max-steps", "5"]
     assert defaults[2:4] == ["torch.distributed.run", "--standalone"]
     assert "--nproc_per_node=2" in defaults and defaults[-3:] == ["train", "--max-steps", "5"]
+
+
+def test_the_compiled_contenders_with_and_without_accumulation(tmp_path, monkeypatch):
+    """On a GPU the fast path runs one micro-batch per step (CUDA graphs) and, beside it, the
+    same batch in FAST_MICRO_BATCHES accumulated micro-batches (compiled without them)."""
+    from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank
+
+    b = bench.Bench(data=bench.Data(tmp_path, "synthetic"), device="cuda", threads=1,
+                    sizes=bench.QUICK, work=tmp_path)
+    launched = []
+    monkeypatch.setattr(bench, "run", lambda cmd, *args: launched.append(cmd) or
+                        bench.Finished(1.0, 1.0))
+    monkeypatch.setattr(bench, "worker_samples_per_s", lambda *args: 123.0)
+    assert bench.measure_fast_accumulating(b) == {"fast_accumulating_samples_per_s": 123.0}
+    assert "fast_accumulating" in bench.GPU_SET
+    cmd = launched[0]
+    batch, micro = (int(cmd[cmd.index(flag) + 1])
+                    for flag in ("--global-batch-size", "--micro-batch-size"))
+    assert batch == bench.GPU_FAST_BATCH and batch == micro * bench.FAST_MICRO_BATCHES
+    assert cmd[-len(bench.FAST_FLAGS):] == bench.FAST_FLAGS
+    assert choose_compilation("cuda", micro_batches_per_rank(batch, micro, 1), True).mode == \
+        "default"
+    table = bench.table(results_with(fast_accumulating_samples_per_s=5000.0))
+    assert "| GPU fast path, 4 micro-batches per step (compiled without CUDA graphs) |" in table

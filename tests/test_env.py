@@ -45,8 +45,8 @@ def test_inconsistent_environment_names_the_variable(change, names):
 @pytest.mark.parametrize("bad", [{"RANK": "0"}, {"RANK": "3", "WORLD_SIZE": "2"},
                                  {"RANK": "x", "WORLD_SIZE": "2"}])
 def test_worker_rejects_bad_environment_with_one_line_and_exit_2(bad, tmp_path):
-    done = run(cli_cmd("train", "--dataset", "synthetic", "--data-dir", str(tmp_path)),
-               env=clean_env(**bad), cwd=tmp_path)
+    done = run(cli_cmd("train", "--device", "cpu", "--dataset", "synthetic", "--data-dir",
+                       str(tmp_path)), env=clean_env(**bad), cwd=tmp_path)
     assert done.returncode == 2, done.stdout
     lines = done.stdout.strip().splitlines()
     assert len(lines) == 1 and "RANK" in lines[0], done.stdout

@@ -306,7 +306,7 @@ def test_every_node_may_check_a_shared_folder_at_once(tmp_path):
 def test_a_read_only_checkpoint_folder_is_said_before_the_first_step(tiny_digits, tmp_path,
                                                                       read_only_folder):
     ckpt = read_only_folder / "ckpt"
-    args = ["train", "--dataset", "synthetic", "--data-dir", str(tiny_digits),
+    args = ["train", "--device", "cpu", "--dataset", "synthetic", "--data-dir", str(tiny_digits),
             "--checkpoint-dir", str(ckpt), "--logdir", str(tmp_path / "runs")]
     done = run(cli_cmd(*args), timeout=60)
     assert done.returncode == 2, done.stdout

@@ -8,11 +8,13 @@ from launch import cli_cmd, run
 
 @pytest.mark.slow
 def test_reaches_98_percent_on_real_digits_in_5_epochs(real_split, tmp_path):
-    done = run(cli_cmd("train", "--data-dir", str(real_split), "--no-download", "--epochs", "5",
+    done = run(cli_cmd("train", "--device", "cpu", "--data-dir", str(real_split), "--no-download",
+                       "--epochs", "5",
                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--logdir",
                        str(tmp_path / "runs")), timeout=600)
     assert done.returncode == 0, done.stdout
-    result = run(cli_cmd("evaluate", "--checkpoint-dir", str(tmp_path / "ckpt"), "--json"))
+    result = run(cli_cmd("evaluate", "--device", "cpu", "--checkpoint-dir", str(tmp_path / "ckpt"),
+                         "--json"))
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["dataset"] == "mnist" and report["test_samples"] == 2000
     assert report["accuracy"] >= 0.98, report

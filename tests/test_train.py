@@ -73,17 +73,18 @@ def test_make_train_line_runs_via_jobs_local(tiny_digits, tmp_path):
 def test_synthetic_fallback_is_loud_and_recorded(tiny_digits, tmp_path):
 
     shutil.copytree(tiny_digits, tmp_path / "data" / "synthetic")  # skips generating 60,000
-    done = run(cli_cmd("train", "--data-dir", str(tmp_path / "data"), "--no-download",
-                       "--synthetic-fallback", "--max-steps", "1", "--checkpoint-dir",
-                       str(tmp_path / "ckpt"), "--logdir", str(tmp_path / "runs"),
-                       "--run-id", "fb"))
+    done = run(cli_cmd("train", "--device", "cpu", "--data-dir", str(tmp_path / "data"),
+                       "--no-download", "--synthetic-fallback", "--max-steps", "1",
+                       "--checkpoint-dir", str(tmp_path / "ckpt"), "--logdir",
+                       str(tmp_path / "runs"), "--run-id", "fb"))
     assert done.returncode == 0, done.stdout
     assert "SYNTHETIC DIGITS, NOT MNIST" in done.stdout
     assert "SYNTHETIC DIGITS, NOT MNIST" in (tmp_path / "runs" / "fb" / "train.log").read_text()
 
 
 def test_missing_mnist_without_download_says_what_to_put_where(tmp_path):
-    done = run(cli_cmd("train", "--data-dir", str(tmp_path), "--no-download"), cwd=tmp_path)
+    done = run(cli_cmd("train", "--device", "cpu", "--data-dir", str(tmp_path), "--no-download"),
+               cwd=tmp_path)
     assert done.returncode == 2
     line = done.stdout.strip().splitlines()[-1]
     assert "train-images-idx3-ubyte" in line and str(tmp_path / "MNIST" / "raw") in line
@@ -94,7 +95,8 @@ def test_corrupt_data_file_is_named(tiny_digits, tmp_path):
     shutil.copytree(tiny_digits, tmp_path / "d")
     labels = tmp_path / "d" / "MNIST" / "raw" / "t10k-labels-idx1-ubyte"
     labels.write_bytes(labels.read_bytes()[:-10])
-    done = run(cli_cmd("train", "--dataset", "synthetic", "--data-dir", str(tmp_path / "d")),
+    done = run(cli_cmd("train", "--device", "cpu", "--dataset", "synthetic", "--data-dir",
+                       str(tmp_path / "d")),
                cwd=tmp_path)
     assert done.returncode == 2
     assert "t10k-labels-idx1-ubyte is truncated" in done.stdout.strip().splitlines()[-1]
