@@ -2,8 +2,9 @@
 
 Reads the run's TensorBoard scalars and its events.jsonl and draws them with matplotlib (Agg, no
 pyplot): loss and error rate on log axes, throughput with the world size as a step line, and on
-every panel a line at each restart, labelled with its generation and the world size before and
-after. Only the ``plot`` command imports this module, so only it loads matplotlib.
+every panel a line at each change of membership (dashed: a restart; dotted: the survivors going
+on in process), labelled with its generation and the world size before and after. Only the
+``plot`` command imports this module, so only it loads matplotlib.
 """
 
 from __future__ import annotations
@@ -25,14 +26,21 @@ STYLE = {"svg.fonttype": "none",  # text stays text in an SVG: searchable, edita
          "axes.titlelocation": "left", "axes.spines.top": False, "legend.fontsize": 8,
          "legend.frameon": False}
 TRAIN, TEST, RATE, WORLD, RESTART = "tab:blue", "tab:orange", "tab:green", "0.35", "tab:red"
+IN_PROCESS = "tab:purple"
+LINES = {False: ("--", RESTART, "restart (generation, world size before\u2192after)"),
+         True: (":", IN_PROCESS, "in process (generation, world size before\u2192after)")}
+"""Line style, colour and legend of a restart and of a change recovered in process."""
 
 
 @dataclass
 class Restart:
+    """A new generation: by a restart (a ``start`` record), or in process (a ``shrink``)."""
+
     step: int
     generation: int
     world_before: int | None
     world_after: int
+    in_process: bool = False
 
     @property
     def label(self) -> str:
@@ -42,7 +50,8 @@ class Restart:
 
 @dataclass
 class RunRecord:
-    """What events.jsonl says: each launch's start (step, world size) and the final accuracy."""
+    """What events.jsonl says: each generation's start (step, world size) and the final
+    accuracy."""
 
     starts: list[tuple[int, int]]
     restarts: list[Restart]
@@ -59,8 +68,8 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_record(run_dir: Path) -> RunRecord:
-    """Every launch after the first is a restart; a resize record names the old world size
-    when no earlier start does."""
+    """Every launch after the first is a restart, every shrink a change in process; a resize
+    record names the old world size when no earlier start does."""
     path = run_dir / "events.jsonl"
     records = read_events(path) if path.exists() else []
     resized_from = {r["step"]: r["old_world_size"] for r in records if r["event"] == "resize"}
@@ -73,6 +82,11 @@ def read_record(run_dir: Path) -> RunRecord:
                                         r["world_size"]))
             starts.append((r["step"], r["world_size"]))
             world = r["world_size"]
+        elif r["event"] == "shrink":
+            restarts.append(Restart(r["step"], r["restart_generation"], r["old_world_size"],
+                                    r["new_world_size"], in_process=True))
+            starts.append((r["step"], r["new_world_size"]))
+            world = r["new_world_size"]
         elif r["event"] == "finish":
             accuracy = r.get("test_accuracy")
     return RunRecord(starts, restarts, accuracy)
@@ -127,9 +141,9 @@ def draw(run_id: str, scalars: dict[str, list[tuple[int, float]]], record: RunRe
         axes.grid(True, which="major", alpha=0.5)
         axes.grid(True, which="minor", alpha=0.15)
         for restart in record.restarts:
-            axes.axvline(restart.step, color=RESTART, linestyle="--", linewidth=1,
-                         label="_" if axes is not loss else
-                         "restart (generation, world size before\u2192after)")
+            style, color, label = LINES[restart.in_process]
+            axes.axvline(restart.step, color=color, linestyle=style, linewidth=1,
+                         label="_" if axes is not loss else label)
     _label_restarts(loss, record.restarts)
     _legend(loss)
     _legend(error)
@@ -137,7 +151,7 @@ def draw(run_id: str, scalars: dict[str, list[tuple[int, float]]], record: RunRe
     extra_handles, extra_labels = world.get_legend_handles_labels()
     _legend(rate, handles + extra_handles, labels + extra_labels)
 
-    launches = len(record.starts)
+    launches = len(record.starts) - sum(r.in_process for r in record.restarts)
     title = f"run {run_id}" + (f": {launches} launches" if launches else "")
     if record.final_accuracy is not None:
         title += f", final test accuracy {100 * record.final_accuracy:.2f}%"
@@ -158,13 +172,14 @@ def _line(axes, points: list[tuple[int, float]] | None, style: str, color: str,
 
 def _label_restarts(axes, restarts: list[Restart]) -> None:
     """Each restart's label beside its line, near the top, on rows that do not collide."""
-    by_step: dict[int, list[str]] = {}
+    by_step: dict[int, list[Restart]] = {}
     for restart in restarts:
-        by_step.setdefault(restart.step, []).append(restart.label)
-    for row, (step, labels) in enumerate(by_step.items()):
-        axes.annotate(", ".join(labels), xy=(step, 1.0), xycoords=("data", "axes fraction"),
+        by_step.setdefault(restart.step, []).append(restart)
+    for row, (step, changes) in enumerate(by_step.items()):
+        axes.annotate(", ".join(r.label for r in changes), xy=(step, 1.0),
+                      xycoords=("data", "axes fraction"),
                       xytext=(4, -12 - 13 * (row % 3)), textcoords="offset points",
-                      color=RESTART, fontsize=8, ha="left", va="center",
+                      color=LINES[changes[-1].in_process][1], fontsize=8, ha="left", va="center",
                       bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "none",
                             "alpha": 0.85})
 
