@@ -301,7 +301,10 @@ class Checkpointer(NullCheckpointer):
     """
 
     def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int,
-                 before_write: Callable[[int], None] = lambda step: None):
+                 before_write: Callable[[int], None] = lambda step: None,
+                 remove_stale: bool = True):
+        """``remove_stale``: take back the temp files a writer killed mid-write left (not when
+        taking over from a rank 0 that left in process: its writer may still be finishing)."""
         self.directory = Path(directory)
         self.before_write = before_write
         """Called in the writer thread before each write, with its step (fault injection)."""
@@ -309,7 +312,8 @@ class Checkpointer(NullCheckpointer):
         self.keep_last = keep_last
         self.restart_generation = restart_generation
         self.directory.mkdir(parents=True, exist_ok=True)
-        remove_stale_temp_files(self.directory)
+        if remove_stale:
+            remove_stale_temp_files(self.directory)
         self._last_saved_step = -1
         self._jobs: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None

@@ -165,10 +165,12 @@ class Duties:
     """The launch's process group's store: the watchdog's where nothing outlives rank 0."""
     membership: NullMembership
 
-    def checkpointer(self, env: DistEnv, generation: int, faults: Faults) -> NullCheckpointer:
+    def checkpointer(self, env: DistEnv, generation: int, faults: Faults,
+                     taking_over: bool = False) -> NullCheckpointer:
         c = self.cfg.checkpoint
         return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every, keep_last=c.keep_last,
-                             restart_generation=generation, before_write=faults.maybe_fill_disk)
+                             restart_generation=generation, before_write=faults.maybe_fill_disk,
+                             remove_stale=not taking_over)
                 if env.is_main else NullCheckpointer())
 
     def audit(self, env: DistEnv, generation: int) -> AuditLog:
@@ -217,7 +219,8 @@ class Duties:
         if isinstance(trainer.checkpointer, Checkpointer):
             trainer.checkpointer.restart_generation = generation
         elif env.is_main:
-            trainer.checkpointer = self.checkpointer(env, generation, trainer.faults)
+            trainer.checkpointer = self.checkpointer(env, generation, trainer.faults,
+                                                     taking_over=True)
         self.report(trainer, purge_step=change.step + 1)
         self.watch(trainer)
 

@@ -258,6 +258,8 @@ class Trainer:
         """A step has begun and not completed: what it changed is undone if it fails."""
         self.change: Change | None = None
         """The last change of membership, until the first step after it completes."""
+        self.owed: Change | None = None
+        """The last change of membership, until what its agreed step owes is done."""
         self._partial_stop_since: float | None = None
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
@@ -358,8 +360,12 @@ class Trainer:
         """Trains until done or asked to stop; returns 'finished', 'preempted' (every rank
         stops) or 'left' (this rank stops, the others go on)."""
         self.window = _Window()  # start-up is no part of the first window's rate
-        while not self.done():
+        while True:
             try:
+                if self.owed is not None:
+                    self.catch_up(self.owed)
+                if self.done():
+                    return "finished"
                 result = self.iteration(stop.requested)
             except RuntimeError as failure:  # a collective failed, or was given up on
                 if self.membership.broken is None:
@@ -372,7 +378,6 @@ class Trainer:
                 return "left"
             if result.leavers:
                 self.recover(why="left", suspects=tuple(result.leavers))
-        return "finished"
 
     def iteration(self, stop_requested: bool) -> StepResult:
         """One turn of the loop: the next step, then what follows it (progress, scalars every
@@ -400,7 +405,8 @@ class Trainer:
                 self.log_training(self.window.drain())
         if epoch_ended or self.done():
             self.log_evaluation()
-        self.maybe_checkpoint(epoch_ended, final=self.done() or result.stop_requested)
+        if self.env.rank not in result.leavers:  # a rank 0 that leaves hands its save on
+            self.maybe_checkpoint(epoch_ended, final=self.done() or result.stop_requested)
         return result
 
     def maybe_checkpoint(self, epoch_ended: bool, final: bool) -> None:
@@ -432,7 +438,7 @@ class Trainer:
                     change.step, ", ".join(str(lost["rank"]) for lost in change.lost) or "none",
                     change.why)
         self.on_change(change)
-        self.catch_up(change)
+        self.owed = change
 
     def rollback(self) -> None:
         """Undoes what a step cut short left: its BatchNorm passes' statistics, its gradients
@@ -472,6 +478,7 @@ class Trainer:
         if (ended or self.done()) and change.evaluated_step != self.progress.step:
             self.log_evaluation()
         self.maybe_checkpoint(ended, final=self.done())
+        self.owed = None
 
     def report_change(self) -> None:
         """Once the new group's first step is done: the ``shrink`` record and the dashboards."""

@@ -194,3 +194,50 @@ def test_identities_of_ranks_lost_before_they_said_who_they_were_are_unknown(sto
     found = member._identities()
     assert found[0].pid > 0 and found[1].host == found[2].host == "unknown"
     assert json.loads(store.get("launch/g0/id/0"))["pid"] == found[0].pid
+
+
+class Recorded:
+    """An event log that keeps what it is told."""
+
+    def __init__(self):
+        self.records: list[tuple[str, int]] = []
+
+    def emit(self, event: str, step: int, **fields) -> None:
+        self.records.append((event, step))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("rank0_evaluated", [False, True])
+def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp_path,
+                                                                rank0_evaluated):
+    """A fault in an epoch's evaluation or save comes after its step was agreed: the new group
+    evaluates it (unless its rank 0 had, and logged it) and saves it, before stepping on."""
+    from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.membership import Change
+    from elastic_mnist.preemption import StopRequest
+    from elastic_mnist.trainer import Trainer
+
+    cfg = TrainConfig()
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size, cfg.optim.max_steps = 64, 32, 11
+    cfg.run.device = "cpu"
+    checkpointer = Checkpointer(tmp_path, every=0, keep_last=3, restart_generation=1)
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="owed", restart_generation=1, checkpointer=checkpointer)
+    for _ in range(10):  # 640 digits, 64 a step: step 10 ends the epoch
+        batch = trainer.global_batch()
+        trainer.train_step(batch, stop_requested=False)
+        trainer.advance(len(batch))
+    trainer.events = Recorded()
+    trainer.owed = Change(env=DistEnv(), generation=1, old_world_size=2, lost=[], why="died",
+                          step=10, holder=0, steps_redone=0,
+                          evaluated_step=10 if rank0_evaluated else 9, detected=0.0,
+                          detected_at=0.0)
+    assert trainer.fit(StopRequest()) == "finished"
+    checkpointer.close()
+    evals = [step for event, step in trainer.events.records if event == "eval"]
+    assert evals == ([11] if rank0_evaluated else [10, 11])
+    assert newest_committed_step(tmp_path) == 11 and (tmp_path / "step-00000010.pt").exists()
