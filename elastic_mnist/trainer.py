@@ -390,7 +390,8 @@ class Trainer:
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
         epoch_ended = self.advance(len(batch))
-        if self.change is not None:
+        changed = self.change is not None
+        if changed:
             self.report_change()
         # Work of this rank alone is "busy" for the watchdog (peers wait for it, not for a hung
         # rank); a collective inside the evaluation is waiting, like a step's.
@@ -403,6 +404,10 @@ class Trainer:
                                 self.window.samples_per_s())
             if (self.should_log() or epoch_ended) and self.window.results:
                 self.log_training(self.window.drain())
+            elif changed:  # the world size drops at the step where it happened
+                self.metrics.scalars(self.progress.step, {
+                    "elastic/world_size": self.env.world_size,
+                    "elastic/restart_generation": self.restart_generation})
         if epoch_ended or self.done():
             self.log_evaluation()
         if self.env.rank not in result.leavers:  # a rank 0 that leaves hands its save on
@@ -468,8 +473,7 @@ class Trainer:
         if len(set(digests)) != 1:
             raise CannotRecover(f"the survivors hold different models after agreeing on step "
                                 f"{change.step}: {sorted(set(digests))}")
-        self.change = change
-        self._regrouped_at = time.time()
+        self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()
 
     def catch_up(self, change: Change) -> None:
         """What the agreed step still owes when the fault came after it: its evaluation (unless
@@ -481,7 +485,7 @@ class Trainer:
         self.owed = None
 
     def report_change(self) -> None:
-        """Once the new group's first step is done: the ``shrink`` record and the dashboards."""
+        """Once the new group's first step is done: the ``shrink`` record."""
         change, self.change = self.change, None
         self.membership.recovered()
         seconds = time.monotonic() - change.detected
@@ -494,10 +498,7 @@ class Trainer:
                          steps_redone=change.steps_redone,
                          detected_time=utc_time(change.detected_at),
                          regrouped_time=utc_time(self._regrouped_at),
-                         model_digest=state_digest(self.model.state_dict()))
-        self.metrics.scalars(self.progress.step, {
-            "elastic/world_size": self.env.world_size,
-            "elastic/restart_generation": self.restart_generation})
+                         model_digest=self._agreed_digest)
         log.info("first step after the change: %.2f s after it was detected", seconds)
 
     def leavers(self, stopping: list[int], voted: bool) -> list[int]:
