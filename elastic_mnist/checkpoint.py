@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from elastic_mnist.data.order import epoch_number
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,12 @@ class Manifest:
     @property
     def name(self) -> str:
         return Path(self.file).stem
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of this step counted from 1, as logs say it; ``epoch`` is the index of the
+        epoch the data cursor is in (the epochs completed before it)."""
+        return epoch_number(self.step, self.epoch, self.cursor)
 
 
 def checkpoint_name(step: int) -> str:

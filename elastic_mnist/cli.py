@@ -147,11 +147,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model.load_state_dict(payload["model"])
     loss, accuracy = evaluate(model, dataset.test.to(device), device, DistEnv())
     result = {"accuracy": accuracy, "loss": loss, "step": manifest.step, "epoch": manifest.epoch,
+              "epoch_number": manifest.epoch_number,
               "checkpoint": source, "dataset": kind, "test_samples": len(dataset.test)}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{source}: step {manifest.step}, epoch {manifest.epoch}: test accuracy "
+        print(f"{source}: step {manifest.step}, epoch {manifest.epoch_number}: test accuracy "
               f"{100 * accuracy:.2f}%, loss {loss:.4f} on {len(dataset.test)} {kind} digits")
     return 0
 
@@ -183,7 +184,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                "world_size": entry.world_size, "run_id": entry.run_id,
                "restart_generation": entry.restart_generation, "bytes": entry.bytes,
                "saved_at": entry.saved_at, "data_fingerprint": entry.data_fingerprint,
-               "valid": False, "model_digest": None, "reason": ""}
+               "valid": False, "model_digest": None, "reason": "",
+               "epoch_number": entry.epoch_number}
         try:
             payload = deserialize(read_verified(directory, entry), str(directory / entry.file))
             row.update(valid=True, model_digest=state_digest(payload["model"]))
@@ -203,7 +205,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             continue
         status = f"digest {row['model_digest'][:16]}" if row["valid"] else \
             f"INVALID ({row['reason']})"
-        print(f"  step {row['step']:>7}  epoch {row['epoch']:>3}  world {row['world_size']:>3}  "
+        print(f"  step {row['step']:>7}  epoch {row['epoch_number']:>3}  "
+              f"world {row['world_size']:>3}  "
               f"{row['bytes']:>9} B  {status}")
     return 0
 

@@ -95,9 +95,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     if resume is not None:
         payload, source = resume
         trainer.restore(payload, source)
-        log.info("resumed from %s: step %d, epoch %d, %d samples into it (saved at world size "
-                 "%d, now %d)", source, trainer.progress.step, trainer.progress.epoch,
-                 trainer.progress.cursor, payload["world_size"], env.world_size)
+        log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
+                 trainer.position(), payload["world_size"], env.world_size)
     step = trainer.progress.step
     if env.is_main:
         # Steps after the checkpoint were lost with the old workers: hide what they logged.
