@@ -4,7 +4,8 @@ Every run trains the tiny synthetic digits (640 train, 256 test) for 4 epochs of
 global batch of 64 under real torchrun on CPU:
 
 - ``reference_run``: two workers, uninterrupted, a checkpoint after every step;
-- ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them;
+- ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them (what it
+  listens on before the first kill in listening.json);
 - ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
   workers finishing, every sample audited; no --run-id given.
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from launch import kill_tree, run, start, torchrun_cmd
+from launch import kill_tree, listening, run, start, torchrun_cmd
 
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.cli import main
@@ -97,6 +98,8 @@ def killed_run(tiny_digits, tmp_path_factory) -> Path:
                                            "--run-id", "killed"), max_restarts=3), log=log)
     for at_step in (4, 24):
         wait_until(lambda s=at_step: newest_committed_step(work / "ckpt") >= s, proc)
+        if at_step == 4:  # a live two-worker job under plain torchrun: what it listens on
+            (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
         rng.choice(workers(proc)).send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))
     assert proc.wait(timeout=240) == 0, log.read_text()

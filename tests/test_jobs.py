@@ -561,7 +561,8 @@ def store_process():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+)\n", line)
+        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+) \(127\.0\.0\.1\)\n",
+                             line)
         assert found, line + proc.stdout.read()
         yield proc, int(found.group(1))
     finally:
