@@ -6,6 +6,7 @@ On disk, under ``--checkpoint-dir``::
     step-00000120.json   its manifest, written after the payload: the commit record
     latest               name of the newest committed checkpoint, moved last
     run.json             the run id and the restart generation of the job using this folder
+    lease.json           which live job uses this folder (elastic_mnist/lease.py)
 
 A payload without a manifest was never committed and is ignored. A payload whose sha256 differs
 from its manifest's is skipped with a warning, and the one before it is used.
@@ -160,8 +161,13 @@ def check_writable(directory: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
-                                   f"{e.strerror or e}") from None
+        raise unwritable(directory, e) from None
+
+
+def unwritable(directory: Path, error: OSError) -> CheckpointWriteError:
+    """The one line that says why the checkpoint folder cannot be written."""
+    return CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
+                                f"{error.strerror or error}")
 
 
 def describe_write_failure(directory: Path, step: int, error: OSError) -> str:

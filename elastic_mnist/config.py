@@ -81,6 +81,12 @@ class CheckpointConfig:
     """Also save every N optimizer steps (0: only at epoch ends and at the end)."""
     keep_last: int = 3
     """Checkpoints kept on disk; older ones are pruned after a new one is committed."""
+    lease_timeout: float = 15.0
+    """Seconds the folder stays reserved for this job after its lease was last renewed (it is
+    renewed 5 times as often): how long a killed job keeps another launch out (see the README)."""
+    take_over: bool = False
+    """Take the folder from the job that holds its lease without waiting for the lease to lapse:
+    only when that job is known to be gone (if it is not, it stops at its next renewal)."""
 
 
 @dataclass
@@ -138,6 +144,7 @@ class TrainConfig:
         _positive("--keep-last", self.checkpoint.keep_last)
         _positive("--pg-timeout", self.run.pg_timeout)
         _positive("--max-nonfinite-steps", self.run.max_nonfinite_steps)
+        _positive("--lease-timeout", self.checkpoint.lease_timeout)
         _positive("--lr", o.lr)
         for flag, value in (("--max-steps", o.max_steps), ("--warmup-steps", o.warmup_steps),
                             ("--checkpoint-every", self.checkpoint.checkpoint_every),

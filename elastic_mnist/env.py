@@ -41,6 +41,9 @@ class DistEnv:
     uses_agent_store: bool = False
     """``MASTER_ADDR:MASTER_PORT`` is torchrun's own rendezvous store, shared with the workers
     and kept across restarts (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default)."""
+    requeue_count: int = 0
+    """How often the scheduler put this job back into its queue (SLURM's
+    ``SLURM_RESTART_COUNT``; 0 elsewhere): which copy of the job this is."""
 
     @property
     def is_main(self) -> bool:
@@ -66,8 +69,10 @@ class DistEnv:
             missing = "WORLD_SIZE" if has_rank else "RANK"
             present = "RANK" if has_rank else "WORLD_SIZE"
             raise EnvError(f"{present} is set but {missing} is not; launch with torchrun")
+        requeue_count = _int(env, "SLURM_RESTART_COUNT", 0, minimum=0)
         if not has_rank:
-            return cls(restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0))
+            return cls(restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
+                       requeue_count=requeue_count)
 
         world_size = _int(env, "WORLD_SIZE", minimum=1)
         rank = _int(env, "RANK", minimum=0)
@@ -98,6 +103,7 @@ class DistEnv:
             master_port=None if master_port is None else _int(env, "MASTER_PORT", minimum=1),
             launched=True,
             uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            requeue_count=requeue_count,
         )
 
     def describe(self) -> str:

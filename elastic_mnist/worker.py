@@ -10,6 +10,7 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
 from elastic_mnist.job import run_training
+from elastic_mnist.lease import FolderInUse, checkpoint_folder_lease
 from elastic_mnist.logs import setup_logging
 from elastic_mnist.trainer import PeerStopped, TrainingDiverged
 
@@ -24,9 +25,10 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     setup_logging(env)
     try:
         device = resolve_device(cfg.run.device, env)
-        with process_group(env, device, cfg.run.pg_timeout) as store:
+        with process_group(env, device, cfg.run.pg_timeout) as store, \
+                checkpoint_folder_lease(cfg, env, device):  # refuses a folder another job uses
             return run_training(cfg, env, device, store)
-    except USER_ERRORS + (CheckpointError, TrainingDiverged) as e:
+    except USER_ERRORS + (CheckpointError, TrainingDiverged, FolderInUse) as e:
         return report_user_error("train", e)
     except PeerStopped as e:
         return e.exit_code

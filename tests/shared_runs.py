@@ -5,7 +5,8 @@ global batch of 64 under real torchrun on CPU:
 
 - ``reference_run``: two workers, uninterrupted, a checkpoint after every step;
 - ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them (what it
-  listens on before the first kill in listening.json);
+  listens on before the first kill in listening.json); after the first kill a second launch into
+  its folder, with another seed (intruder.log);
 - ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
   workers finishing, every sample audited; no --run-id given.
 """
@@ -102,6 +103,10 @@ def killed_run(tiny_digits, tmp_path_factory) -> Path:
             (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
         rng.choice(workers(proc)).send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))
+        if at_step == 4:  # while torchrun restarts it, another launch into its folder
+            intruder = run(torchrun_cmd(2, *args_for(tiny_digits, work, "--seed", "1",
+                                                     "--run-id", "intruder")))
+            (work / "intruder.log").write_text(f"exit {intruder.returncode}\n{intruder.stdout}")
     assert proc.wait(timeout=240) == 0, log.read_text()
     return work
 

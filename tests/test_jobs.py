@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def test_node_sh_single_node_defaults():
     options, train = planned()
     assert options["nnodes"] == "1"
     assert options["rdzv_endpoint"] == "localhost:0"  # like --standalone: a port the OS picks
-    assert options["rdzv_id"] == "elastic-mnist"
+    assert uuid.UUID(options["rdzv_id"]).version == 4  # as --standalone: a job of its own
+    assert planned()[0]["rdzv_id"] != options["rdzv_id"]
+    assert planned(NNODES="2", RDZV_ENDPOINT="h:1")[0]["rdzv_id"] == "elastic-mnist"
     assert options["max_restarts"] == "3"
     assert options["monitor_interval"] == "0.5"
     assert conf_of(options) == MEASURED_CONF
