@@ -14,6 +14,7 @@ from elastic_mnist import rendezvous
 from elastic_mnist.config import ConfigError, add_train_arguments, train_config_from_args
 from elastic_mnist.data.idx import DataError
 from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.preemption import EXIT_INTERRUPTED
 
 EXIT_USAGE = 2
 USER_ERRORS: tuple[type[Exception], ...] = (EnvError, ConfigError, DataError,
@@ -94,6 +95,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader has what it wanted: a normal end
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before the training loop answers it (start-up, imports)
+        return report_interrupt(args.command)
+
+
+def report_interrupt(command: str) -> int:
+    """One line (from rank 0 alone) for a Ctrl-C that came before any step could answer it; the
+    status as job.report_stop gives it: 0 under torchrun, which must not restart the worker."""
+    try:
+        env = DistEnv.from_environ()
+    except EnvError:
+        env = DistEnv()
+    if env.is_main:
+        sys.stderr.write(f"elastic-mnist {command}: interrupted\n")
+        sys.stderr.flush()
+    return 0 if env.launched else EXIT_INTERRUPTED
 
 
 def report_user_error(command: str, error: Exception) -> int:

@@ -116,6 +116,9 @@ class RunConfig:
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""
+    resume_command: str = ""
+    """The command that continues this run, said in the line that a stop on Ctrl-C ends with
+    (jobs/local.sh and make train give theirs; default: this command line, without torchrun)."""
     audit_samples: bool = False
     """Every rank appends the sample indices of each step to <run dir>/audit/g<G>-r<R>.jsonl."""
 

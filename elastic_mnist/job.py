@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import logging
 import platform
+import shlex
 import sys
 import uuid
 from functools import partial
@@ -40,7 +41,7 @@ from elastic_mnist.events import EventLog
 from elastic_mnist.faults import Faults
 from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
-from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
+from elastic_mnist.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, stop_on_signals
 from elastic_mnist.progress import progress_display
 from elastic_mnist.trainer import AuditLog, PeerStopped, Trainer
 from elastic_mnist.watchdog import Watchdog
@@ -139,14 +140,41 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     if outcome == "preempted":
         trainer.events.emit("preempted", step, signal=stop.signal_name)
         trainer.events.close()
-        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
-                    stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
+        return report_stop(trainer, stop, cfg, env)
     test_loss, test_accuracy = trainer.last_eval or (None, None)
     trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     trainer.events.close()
     log.info("finished at step %d", step)
     return 0
+
+
+def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: DistEnv) -> int:
+    """The line a stop before the end leaves, and the worker's exit status.
+
+    SIGTERM (a scheduler's preemption or time limit) and a stop at another rank's request: every
+    rank says it, exit EXIT_PREEMPTED, which schedulers and torchrun read as "not finished" (torchrun
+    restarts the group). SIGINT (Ctrl-C) received by this process: rank 0 alone says it, with the
+    checkpoint and the command that resumes, and the worker exits 0 under torchrun, which then
+    ends as after a finished run instead of restarting it (under torchrun a worker gets SIGINT
+    from the agent's own shutdown, or from a launcher that wants the job to end: jobs/local.sh),
+    and EXIT_INTERRUPTED without a launcher, as shells expect of a program ended by Ctrl-C.
+    Decided after the checkpoint is saved: ranks that a launcher signalled a moment after another
+    have their signal by then.
+    """
+    step = trainer.progress.step
+    if stop.signal_name != "SIGINT":
+        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
+                    stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    manifest = trainer.checkpointer.last_manifest
+    saved = (f"checkpoint saved: {Path(cfg.checkpoint.checkpoint_dir) / manifest.file}"
+             if manifest is not None else "checkpoint saved")
+    resume = cfg.run.resume_command or (
+        "" if env.launched else shlex.join(["elastic-mnist", *sys.argv[1:]]))
+    how = f"resume with: {resume}" if resume else "the same launch command resumes from it"
+    say = log.warning if env.is_main else log.info
+    say("stopped at step %d after Ctrl-C; %s; %s", step, saved, how)
+    return 0 if env.launched else EXIT_INTERRUPTED
 
 
 def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) -> None:

@@ -8,7 +8,10 @@ global batch of 64 under real torchrun on CPU:
   listens on before the first kill in listening.json); after the first kill a second launch into
   its folder, with another seed (intruder.log);
 - ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
-  workers finishing, every sample audited; no --run-id given.
+  workers finishing, every sample audited; no --run-id given;
+- ``interrupted_make_train``: ``make train`` (jobs/local.sh) stopped by a Ctrl-C after its
+  checkpoint of step 2: SIGINT to the launch's process group, as a terminal sends it (what it
+  listens on before in listening.json).
 """
 
 from __future__ import annotations
@@ -16,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
-from launch import kill_tree, listening, run, start, torchrun_cmd
+from launch import REPO, clean_env, kill_tree, listening, run, start, torchrun_cmd
 
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.cli import main
@@ -152,3 +158,37 @@ def resized_run(tiny_digits, tmp_path_factory) -> ResizedRun:
     done = run(torchrun_cmd(2, *args))
     assert done.returncode == 0, done.stdout
     return ResizedRun(work, preemptions, done.stdout)
+
+
+@dataclass
+class Interrupted:
+    work: Path
+    log: str
+    status: int
+    seconds_to_exit: float
+    """From the SIGINT to the end of make."""
+
+
+@pytest.fixture(scope="session")
+def interrupted_make_train(tiny_digits, tmp_path_factory) -> Interrupted:
+    """``make train`` with this Python's environment, 1000 steps asked for, Ctrl-C once its
+    checkpoint of step 2 is committed."""
+    work = tmp_path_factory.mktemp("interrupted")
+    train_args = " ".join(FLAGS[:-1] + ["100", "--checkpoint-every", "2"])  # --epochs 100
+    cmd = ["make", "-o", ".venv/.installed", "train", f"BIN={Path(sys.executable).parent}",
+           f"DATA_DIR={tiny_digits}", f"CHECKPOINT_DIR={work / 'ckpt'}",
+           f"LOGDIR={work / 'runs'}", f"TRAIN_ARGS={train_args}"]
+    log = work / "make.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(NPROC_PER_NODE="2"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: newest_committed_step(work / "ckpt") >= 2, proc)
+        (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+        status = proc.wait(timeout=60)
+        seconds = time.monotonic() - sent
+    finally:
+        kill_tree(proc.pid)
+    return Interrupted(work, log.read_text(), status, seconds)

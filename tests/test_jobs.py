@@ -222,6 +222,65 @@ def test_node_sh_falls_back_to_python_module():
     launch_of(done.stdout.splitlines(), launcher=["python", "-m", "torch.distributed.run"])
 
 
+# Stands in for torchrun under jobs/local.sh: one worker in a session of its own (as torchrun
+# starts them) that exits 0 on SIGINT; records the signals the agent itself got, the worker's
+# status and its own arguments in $FAKE_TORCHRUN_OUT, and exits with the worker's status.
+FAKE_AGENT = """\
+import json, os, signal, subprocess, sys
+
+got = []
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: got.append(signal.Signals(signum).name))
+worker = subprocess.Popen([sys.executable, "-c", os.environ["FAKE_WORKER"]],
+                          start_new_session=True)
+status = worker.wait()
+with open(os.environ["FAKE_TORCHRUN_OUT"], "w") as f:
+    json.dump({"agent_signals": got, "worker_status": status, "argv": sys.argv[1:]}, f)
+sys.exit(status)
+"""
+FAKE_WORKER = """\
+import os, signal, sys, time
+signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(0))
+open(os.environ["FAKE_READY"], "w").close()
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("interrupt_status", "expected"), [(None, 130), ("0", 0)])
+def test_local_sh_answers_ctrl_c_through_the_workers_not_torchrun(tmp_path, interrupt_status,
+                                                                 expected):
+    """A terminal's SIGINT to the process group reaches jobs/local.sh, which asks the workers to
+    stop; torchrun, in a process group of its own, gets nothing (its own answer would be a
+    traceback). The script then ends with INTERRUPT_STATUS (130; make train gives 0)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f"#!{sys.executable}\n{FAKE_AGENT}")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = node_env(PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+                   FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_WORKER=FAKE_WORKER,
+                   FAKE_READY=str(tmp_path / "ready"))
+    if interrupt_status is not None:
+        env["INTERRUPT_STATUS"] = interrupt_status
+    proc = subprocess.Popen(["bash", str(JOBS / "local.sh"), "--epochs", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == expected, out
+    record = json.loads((tmp_path / "rec").read_text())
+    assert record["agent_signals"] == [] and record["worker_status"] == 0, record
+    train = record["argv"][record["argv"].index("train") + 1:]
+    assert train == ["--resume-command", f"{JOBS / 'local.sh'} --epochs 3", "--epochs", "3"]
+
+
 @pytest.mark.parametrize("script", sorted([*JOBS.glob("*.sh"), *JOBS.glob("*.sbatch")]),
                          ids=lambda p: p.name)
 def test_shell_scripts_parse(script):

@@ -1,7 +1,8 @@
 """The README's "What listens where", held against the sockets of live jobs.
 
 The launches record what their process trees listen on (tests/launch.py's ``listening``):
-``killed_run`` under the plain torchrun line (the agent's store shared with the workers). Each
+``killed_run`` under the plain torchrun line (the agent's store shared with the workers) and
+``interrupted_make_train`` under jobs/local.sh (not shared). Each
 socket found is named by ``identify`` and must be a row of the README's table whose address it
 has. A feature that opens a socket adds a row to the table and a case to ``identify``.
 """
@@ -101,6 +102,14 @@ def test_the_readme_table_names_every_address_it_uses():
     assert {"rendezvous", "agent-store", "external-rendezvous", "group-store", "gloo",
             "tensorboard"} <= set(rows)
     assert "None of them authenticates" in README.read_text()
+
+
+@pytest.mark.slow
+def test_make_train_listens_as_the_readme_says(interrupted_make_train):
+    """jobs/local.sh (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1): no agent store; rank 0 serves the
+    round's MASTER_ADDR:MASTER_PORT on that address alone."""
+    launch = json.loads((interrupted_make_train.work / "listening.json").read_text())
+    check_launch(launch, {"rendezvous": 1, "group-store": 1, "gloo": 2})
 
 
 @pytest.mark.slow
