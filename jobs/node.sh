@@ -9,7 +9,10 @@
 #   NNODES          number of nodes, or MIN:MAX for an elastic job (1)
 #   NPROC_PER_NODE  workers on this node (the GPUs visible, else 2)
 #   RDZV_ENDPOINT   HOST:PORT of the rendezvous store, the same on every node; required unless
-#                   NNODES is 1 (then localhost and a free port, like torchrun --standalone)
+#                   NNODES is 1 (then localhost and a free port, like torchrun --standalone).
+#                   HOST alone: the port is derived from RUN_ID (29400 + RUN_ID mod 1000 for a
+#                   number, else from its checksum), the same on every node and another for each
+#                   job, so that jobs whose first nodes share a machine do not collide
 #   RUN_ID          the rendezvous id: the same on every node of one job, and another for each
 #                   job; it names the job for the checkpoint folder's lease, which refuses a
 #                   second job in the folder (elastic-mnist; with NNODES=1 a fresh one for each
@@ -39,7 +42,7 @@ die() {
 NNODES=${NNODES:-1}
 if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
   if [[ "$NNODES" != 1 ]]; then
-    die "RDZV_ENDPOINT (HOST:PORT of the rendezvous store) is required with NNODES=$NNODES"
+    die "RDZV_ENDPOINT (HOST[:PORT] of the rendezvous store) is required with NNODES=$NNODES"
   fi
   if [[ "${RDZV_STORE:-agent}" != agent ]]; then
     die "RDZV_STORE=$RDZV_STORE needs RDZV_ENDPOINT, where the store runs"
@@ -53,6 +56,17 @@ if [[ -z "${RUN_ID:-}" ]]; then
   else
     RUN_ID=elastic-mnist
   fi
+fi
+
+# HOST without a port: one for this job alone, which every node derives alike.
+if [[ "$RDZV_ENDPOINT" != *:* ]]; then
+  if [[ "$RUN_ID" =~ ^[0-9]{1,18}$ ]]; then  # a SLURM job id, say
+    key=$((10#$RUN_ID))
+  else
+    key=$(printf '%s' "$RUN_ID" | cksum)
+    key=${key%% *}
+  fi
+  RDZV_ENDPOINT=$RDZV_ENDPOINT:$((29400 + key % 1000))
 fi
 
 case "${RDZV_STORE:-agent}" in

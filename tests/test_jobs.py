@@ -148,6 +148,19 @@ def test_node_sh_who_hosts_the_store(env, is_host):
     assert conf_of(options) == {**MEASURED_CONF, "is_host": is_host}
 
 
+def test_node_sh_derives_a_port_of_the_job_when_the_endpoint_names_a_host_alone():
+    ports = {}
+    for run_id in ("4242", "5242", "4243", "job-a", "job-b"):
+        options, _ = planned(NNODES="2:4", RDZV_ENDPOINT="head", RUN_ID=run_id)
+        host, port = options["rdzv_endpoint"].split(":")
+        assert host == "head" and 29400 <= int(port) < 30400
+        assert planned(NNODES="2:4", RDZV_ENDPOINT="head", RUN_ID=run_id)[0] == options  # alike
+        ports[run_id] = int(port)
+    assert ports["4242"] == ports["5242"] == 29642 and ports["4243"] == 29643
+    assert ports["job-a"] != ports["job-b"]
+    assert planned(NNODES="2", RDZV_ENDPOINT="head:1234")[0]["rdzv_endpoint"] == "head:1234"
+
+
 def test_node_sh_timing_overrides():
     options, _ = planned(MONITOR_INTERVAL="1", JOIN_TIMEOUT="60", LAST_CALL_TIMEOUT="5",
                          KEEP_ALIVE_INTERVAL="2", KEEP_ALIVE_MAX_ATTEMPT="4")
@@ -317,7 +330,7 @@ def test_sbatch_runs_node_sh_with_the_head_node_as_endpoint():
     text = SBATCH.read_text().replace("\\\n", " ")
     assert re.search(r'^nodes=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST"\)$', text,
                      re.MULTILINE)
-    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:29400\b", text, re.MULTILINE)
+    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:\$port\b", text, re.MULTILINE)
     assert re.search(r"^export .*RUN_ID=\$SLURM_JOB_ID\b", text, re.MULTILINE)
     srun = re.search(r"^srun .*$", text, re.MULTILINE)
     assert srun and " jobs/node.sh " in srun.group(0)
@@ -368,13 +381,13 @@ def slurm(tmp_path):
     fake = tmp_path / "fake_torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
 
-    def start(launcher_exit: str) -> subprocess.Popen:
+    def start(launcher_exit: str, job_id: str = "42") -> subprocess.Popen:
         env = node_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                        TORCHRUN=f"{sys.executable} {fake}", NPROC_PER_NODE="8",
                        FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_TORCHRUN_EXIT=launcher_exit,
                        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
                        FAKE_SLURM_TASKS=str(tmp_path / "tasks"), SHARED=str(tmp_path / "shared"),
-                       SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node-[a-d]",
+                       SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node-[a-d]",
                        SLURM_JOB_NUM_NODES="4", SLURM_SUBMIT_DIR=str(REPO),
                        RDZV_PRECHECK="0")  # there is no node-a to answer
         return subprocess.Popen(["bash", str(SBATCH), "--epochs", "3"], cwd=tmp_path, env=env,
@@ -407,13 +420,29 @@ def test_sbatch_launches_every_node_alike(slurm, tmp_path):
     assert proc.returncode == 0, out
     options, train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
     assert options["nnodes"] == "4"
-    assert options["rdzv_endpoint"] == "node-a:29400"
+    assert options["rdzv_endpoint"] == "node-a:29442"  # 29400 + the job id (mod 1000)
+    assert "job 42: rendezvous at node-a:29442" in out
     assert options["rdzv_id"] == "42"
     shared = tmp_path / "shared"
     assert train == ["--data-dir", f"{shared}/data", "--checkpoint-dir", f"{shared}/checkpoints",
                      "--logdir", f"{shared}/runs", "--epochs", "3"]
     assert (shared / "checkpoints").is_dir()
     assert slurm_calls(tmp_path) == []
+
+
+def test_sbatch_gives_jobs_that_share_a_first_node_their_own_rendezvous_ports(slurm, tmp_path):
+    """Two jobs whose first nodes are this machine: ports derived from their ids, and one that is
+    taken here (by another job's store, say) is passed over."""
+    endpoints = []
+    with socket.create_server(("0.0.0.0", 29400 + 1043 % 1000)):  # taken: 29443
+        for job_id in ("1042", "1043"):
+            (tmp_path / "rec").unlink(missing_ok=True)
+            proc = slurm("0", job_id=job_id)
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out
+            endpoints.append(launch_of(launched(tmp_path, proc)["argv"], launcher=[])[0]
+                             ["rdzv_endpoint"])
+    assert endpoints == ["node-a:29442", "node-a:29444"]
 
 
 def test_sbatch_stops_the_workers_gracefully_and_requeues(slurm, tmp_path):
