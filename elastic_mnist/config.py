@@ -82,8 +82,9 @@ class CheckpointConfig:
     keep_last: int = 3
     """Checkpoints kept on disk; older ones are pruned after a new one is committed."""
     lease_timeout: float = 15.0
-    """Seconds the folder stays reserved for this job after its lease was last renewed (it is
-    renewed 5 times as often): how long a killed job keeps another launch out (see the README)."""
+    """Seconds the folder stays this job's after its lease was last renewed (5 times as often),
+    for launches on machines that cannot see whether its processes still run (the README's "One
+    live job per checkpoint folder")."""
     take_over: bool = False
     """Take the folder from the job that holds its lease without waiting for the lease to lapse:
     only when that job is known to be gone (if it is not, it stops at its next renewal)."""

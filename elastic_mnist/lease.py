@@ -2,10 +2,11 @@
 
 ``<checkpoint dir>/lease.json`` names the job that uses the folder and when it was last seen. Every
 node's LOCAL_RANK 0 takes it before the job's first step and rewrites it every ``--lease-timeout``
-/ 5 seconds; a launch of another job that finds it fresh is refused, on every rank, with one line
-naming the job, its host and how long ago it was seen. So whichever process is rank 0 after a
-resize or an in-process recovery, the lease needs no hand-over: its keepers are the nodes' first
-processes, and a node whose first process is gone has gone as a whole.
+/ 5 seconds (where nodes share the folder, every node's keeper rewrites the one lease); a launch
+of another job that finds it fresh is refused, on every rank, with one line naming the job, its
+host and how long ago it was seen. So whichever process is rank 0 after a resize or an in-process
+recovery, the lease needs no hand-over: its keepers are the nodes' first processes, and a node
+whose first process is gone has gone as a whole.
 
 **The same job.** A lease names a job, not a process:
 
@@ -19,12 +20,17 @@ processes, and a node whose first process is gone has gone as a whole.
   renewal; an older copy is refused where a newer one holds the lease;
 - without torchrun, the process alone: two plain ``elastic-mnist train`` are two jobs.
 
-**A job that died** without releasing its lease (SIGKILL, a lost machine) holds the folder until
-its lease has gone unrenewed for ``--lease-timeout`` seconds (15) and then two more renewal
-periods have passed without a change, watched by the launch that takes it over: at most 21 s
-with the defaults. ``--take-over`` takes it at once, for when the user knows that job is gone; a
-job whose lease was taken (it was not gone after all) stops at its next renewal without writing
-more. A job that ends in any orderly way, finished, stopped, or refused bad input, releases it.
+**When the folder is free again.** A job that finishes or is stopped by Ctrl-C removes its lease.
+One that stops in a way its launcher may follow with a restart (SIGTERM: a preemption, or torchrun
+restarting the group after a failure or for a resize; an error) leaves it, so that no other launch
+slips in before the restart. A lease records the processes of the launch that holds it (the
+keeper, and its torchrun agent) and the machine they run on (boot and PID namespace): a launch on
+that machine takes over at once a lease whose launch has ended, whether it ended in order, failed
+or was SIGKILLed. From another machine, where those processes cannot be seen, a lease is free
+once it has gone unrenewed for ``--lease-timeout`` seconds (15) and two more renewal periods have
+passed without a change, watched by the launch that takes it over: at most 21 s with the
+defaults. ``--take-over`` takes it at once, for when the user knows that job is gone; a job whose
+lease was taken (it was not gone after all) stops at its next renewal without writing more.
 
 **No locks across hosts.** The file is only ever created whole (written aside, then ``link``ed
 into place, which fails when another launch got there first: atomic on NFS too), replaced whole
@@ -55,6 +61,7 @@ from elastic_mnist import distributed
 from elastic_mnist.checkpoint import CheckpointWriteError, read_run_file, unwritable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
+from elastic_mnist.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
 
@@ -107,6 +114,12 @@ class Lease:
     """The holder's --lease-timeout."""
     nonce: str = ""
     """Tells this writing from any other (a lease taken away is recognised as the one judged)."""
+    agent_pid: int = 0
+    """The launch's process that outlives the keeper across restarts: torchrun's agent (the
+    keeper's parent), or the keeper itself without torchrun."""
+    machine: str = ""
+    """Where ``pid`` and ``agent_pid`` mean something: this boot of this machine, and the PID
+    namespace (another container's processes are not seen from here)."""
 
     @property
     def identity(self) -> JobIdentity:
@@ -121,6 +134,30 @@ class Lease:
     @property
     def beat_s(self) -> float:
         return self.timeout_s / BEATS_PER_TIMEOUT
+
+
+def this_machine() -> str:
+    """This boot of this machine and this PID namespace ("" where /proc does not tell)."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        return f"{platform.node()}:{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` of this machine runs (a zombie has ended)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def read_lease(folder: Path) -> Lease | None:
@@ -143,12 +180,15 @@ class LeaseKeeper:
     """
 
     def __init__(self, folder: Path, identity: JobIdentity, timeout_s: float,
-                 on_lost: Callable[[Lease], None] | None = None):
+                 on_lost: Callable[[Lease], None] | None = None, agent_pid: int | None = None,
+                 machine: str | None = None):
         self.folder = Path(folder)
         self.path = self.folder / LEASE_FILE
         self.identity = identity
         self.timeout_s = timeout_s
         self.on_lost = on_lost or self._stop_process
+        self.agent_pid = os.getpid() if agent_pid is None else agent_pid
+        self.machine = this_machine() if machine is None else machine
         self.beat = 0
         self.nonce = ""
         self._stop = threading.Event()
@@ -162,9 +202,9 @@ class LeaseKeeper:
     # --- taking it ---------------------------------------------------------------------------
 
     def acquire(self, take_over: bool = False) -> None:
-        """Takes the lease: creates it, adopts the job's own, takes a lapsed one (or any, with
-        ``take_over``); raises FolderInUse naming the job that holds it. OSError when the folder
-        cannot be written."""
+        """Takes the lease: creates it, adopts the job's own, takes one whose launch has ended
+        or that lapsed (or any, with ``take_over``); raises FolderInUse naming the job that holds
+        it. OSError when the folder cannot be written."""
         self.folder.mkdir(parents=True, exist_ok=True)
         for _ in range(100):  # each turn loses a race to another launch; rarely more than one
             current = read_lease(self.folder)
@@ -173,21 +213,28 @@ class LeaseKeeper:
                     return
                 continue
             theirs = current.identity
-            if theirs.job == self.identity.job:
-                if theirs.copy <= self.identity.copy or take_over:
-                    self._write()  # its own restart, resize or recovery, or a newer copy
-                    return
-                if not self._lapsed(current):
-                    raise FolderInUse(self._refusal(current, "a newer copy of this job"))
-            elif not take_over and not self._lapsed(current):
-                raise FolderInUse(self._refusal(current, "another job"))
+            if theirs.job == self.identity.job and (theirs.copy <= self.identity.copy
+                                                    or take_over):
+                self._write()  # its own restart, resize or recovery, or a newer copy
+                return
+            why = "--take-over" if take_over else self._why_free(current)
+            if not why:
+                whose = "a newer copy of this job" if theirs.job == self.identity.job else \
+                    "another job"
+                raise FolderInUse(self._refusal(current, whose))
             log.warning("checkpoint folder %s: taking over the lease of %s on host %s (pid %d), "
                         "last seen %s (%s)", self.folder, current.identity.describe(),
-                        current.host, current.pid, seen(current),
-                        "--take-over" if take_over else "lapsed")
+                        current.host, current.pid, seen(current), why)
             self._take_away(current)
         raise FolderInUse(f"checkpoint folder {self.folder}: could not take its lease; other "
                           f"launches keep taking it")
+
+    def _why_free(self, current: Lease) -> str:
+        """Why another launch's lease no longer holds the folder, or "" while it does."""
+        if (current.machine and current.machine == self.machine
+                and not running(current.pid) and not running(current.agent_pid)):
+            return "its launch has ended"
+        return "lapsed" if self._lapsed(current) else ""
 
     def _lapsed(self, current: Lease) -> bool:
         """Whether a lease's keeper is gone: unrenewed for its timeout by the clocks, and
@@ -204,12 +251,16 @@ class LeaseKeeper:
     def _refusal(self, current: Lease, whose: str) -> str:
         run = read_run_file(self.folder).get("run_id")
         named = f"run {run}, " if run else ""
-        lapses = max(0.0, current.timeout_s - current.age())
+        if current.machine and current.machine == self.machine:  # its processes run here
+            after = "--take-over takes the folder from it"
+        else:
+            lapses = max(0.0, current.timeout_s - current.age()) + WATCHED_BEATS * current.beat_s
+            after = (f"if that job is gone, its lease lapses within {lapses:.0f} s, or start "
+                     f"with --take-over")
         return (f"checkpoint folder {self.folder} is in use by {whose}: {named}"
                 f"{current.identity.describe()} on host {current.host} (pid {current.pid}), "
                 f"last seen {seen(current)}; wait for it to end, or use another "
-                f"--checkpoint-dir; if that job is gone, its lease lapses within "
-                f"{lapses + WATCHED_BEATS * current.beat_s:.0f} s, or start with --take-over")
+                f"--checkpoint-dir; {after}")
 
     def _take_away(self, current: Lease) -> None:
         """Moves the lease judged lapsed out of the way, unless it changed meanwhile."""
@@ -230,7 +281,8 @@ class LeaseKeeper:
         self.nonce = secrets.token_hex(8)
         lease = Lease(job=self.identity.job, copy=self.identity.copy, host=platform.node(),
                       pid=os.getpid(), renewed=time.time(), beat=self.beat,
-                      timeout_s=self.timeout_s, nonce=self.nonce)
+                      timeout_s=self.timeout_s, nonce=self.nonce, agent_pid=self.agent_pid,
+                      machine=self.machine)
         return json.dumps(asdict(lease)).encode()
 
     def _aside(self) -> Path:
@@ -291,16 +343,20 @@ class LeaseKeeper:
                   current.host, current.pid)
         distributed.end_process(EXIT_LOST)
 
-    def close(self) -> None:
-        """Stops renewing and releases the lease if it is still this job's."""
+    def close(self, release: bool = True) -> None:
+        """Stops renewing; releases the lease (if this keeper wrote it last) unless told not
+        to: a restart of the job may follow."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        self.release()
+        if release:
+            self.release()
 
     def release(self) -> None:
+        """Removes the lease if this keeper wrote it last: where several nodes of the job renew
+        one lease, one that leaves (its workers restarting, say) leaves it to the others."""
         current = read_lease(self.folder)
-        if current is not None and current.identity == self.identity:
+        if current is not None and current.nonce == self.nonce:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
 
@@ -317,11 +373,28 @@ def seen(lease: Lease) -> str:
     return "just now" if age < 0.05 else f"{age:.1f} s ago"
 
 
+class LeaseHold:
+    """What the job tells its lease as it ends: the exit status, which says whether the folder
+    is left to a restart (EXIT_PREEMPTED) or released (finished, Ctrl-C)."""
+
+    def __init__(self) -> None:
+        self.status: int | None = None
+
+    def ended(self, status: int) -> int:
+        self.status = status
+        return status
+
+    @property
+    def releases(self) -> bool:
+        return self.status is not None and self.status != EXIT_PREEMPTED
+
+
 @contextlib.contextmanager
 def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
-                            device: torch.device) -> Iterator[LeaseKeeper | None]:
+                            device: torch.device) -> Iterator[LeaseHold]:
     """Holds the checkpoint folder's lease for the job while the block runs: every node's first
-    process takes it (all nodes agree before any proceeds), renews it, and releases it after.
+    process takes it (all nodes agree before any proceeds) and renews it; the block tells the
+    yielded hold its exit status, and a finished or interrupted job releases the lease.
 
     Raises FolderInUse on every rank when another live job holds it on any node, before anything
     is written; a node whose folder cannot be written stops the job as check_writable would.
@@ -331,7 +404,8 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
     folder = Path(cfg.checkpoint.checkpoint_dir)
     keeper, outcome = None, None
     if env.is_local_main:
-        keeper = LeaseKeeper(folder, JobIdentity.of(env), cfg.checkpoint.lease_timeout)
+        keeper = LeaseKeeper(folder, JobIdentity.of(env), cfg.checkpoint.lease_timeout,
+                             agent_pid=os.getppid() if env.launched else os.getpid())
         try:
             keeper.acquire(take_over=cfg.checkpoint.take_over)
         except FolderInUse as e:
@@ -348,11 +422,12 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
         if outcome is not None:
             raise CheckpointWriteError(outcome[1])
         raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
+    hold = LeaseHold()
     if keeper is None:
-        yield None
+        yield hold
         return
     keeper.start()
     try:
-        yield keeper
+        yield hold
     finally:
-        keeper.close()
+        keeper.close(release=hold.releases)

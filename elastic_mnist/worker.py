@@ -26,8 +26,8 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     try:
         device = resolve_device(cfg.run.device, env)
         with process_group(env, device, cfg.run.pg_timeout) as store, \
-                checkpoint_folder_lease(cfg, env, device):  # refuses a folder another job uses
-            return run_training(cfg, env, device, store)
+                checkpoint_folder_lease(cfg, env, device) as lease:  # one live job per folder
+            return lease.ended(run_training(cfg, env, device, store))
     except USER_ERRORS + (CheckpointError, TrainingDiverged, FolderInUse) as e:
         return report_user_error("train", e)
     except PeerStopped as e:

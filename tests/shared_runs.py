@@ -5,8 +5,8 @@ global batch of 64 under real torchrun on CPU:
 
 - ``reference_run``: two workers, uninterrupted, a checkpoint after every step;
 - ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them (what it
-  listens on before the first kill in listening.json); after the first kill a second launch into
-  its folder, with another seed (intruder.log);
+  listens on before the first kill in listening.json); before the first kill a second launch
+  into its folder, with another seed (intruder.log);
 - ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
   workers finishing, every sample audited; no --run-id given;
 - ``interrupted_make_train``: ``make train`` (jobs/local.sh) stopped by a Ctrl-C after its
@@ -107,14 +107,28 @@ def killed_run(tiny_digits, tmp_path_factory) -> Path:
         wait_until(lambda s=at_step: newest_committed_step(work / "ckpt") >= s, proc)
         if at_step == 4:  # a live two-worker job under plain torchrun: what it listens on
             (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
+            intrude(tiny_digits, work, proc)
         rng.choice(workers(proc)).send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))
-        if at_step == 4:  # while torchrun restarts it, another launch into its folder
-            intruder = run(torchrun_cmd(2, *args_for(tiny_digits, work, "--seed", "1",
-                                                     "--run-id", "intruder")))
-            (work / "intruder.log").write_text(f"exit {intruder.returncode}\n{intruder.stdout}")
     assert proc.wait(timeout=240) == 0, log.read_text()
     return work
+
+
+def intrude(data: Path, work: Path, proc: subprocess.Popen) -> None:
+    """Another launch into the folder of the live job ``proc``, with another seed; its output in
+    intruder.log. The job's workers are held (SIGSTOP) meanwhile, so that the job is still
+    there, at the same step, when the launch looks at the folder (its 40 steps take less time
+    than a launch takes to start); its restarts come after."""
+    held = workers(proc)
+    for worker in held:
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        intruder = run(torchrun_cmd(2, *args_for(data, work, "--seed", "1", "--run-id",
+                                                 "intruder")))
+    finally:
+        for worker in held:
+            worker.send_signal(signal.SIGCONT)
+    (work / "intruder.log").write_text(f"exit {intruder.returncode}\n{intruder.stdout}")
 
 
 @dataclass
