@@ -152,8 +152,8 @@ def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: Dist
     """The line a stop before the end leaves, and the worker's exit status.
 
     SIGTERM (a scheduler's preemption or time limit) and a stop at another rank's request: every
-    rank says it, exit EXIT_PREEMPTED, which schedulers and torchrun read as "not finished" (torchrun
-    restarts the group). SIGINT (Ctrl-C) received by this process: rank 0 alone says it, with the
+    rank says it, exit EXIT_PREEMPTED, which schedulers and torchrun read as "not finished"
+    (torchrun restarts the group). SIGINT (Ctrl-C) received by this process: rank 0 alone says it, with the
     checkpoint and the command that resumes, and the worker exits 0 under torchrun, which then
     ends as after a finished run instead of restarting it (under torchrun a worker gets SIGINT
     from the agent's own shutdown, or from a launcher that wants the job to end: jobs/local.sh),

@@ -287,7 +287,8 @@ class LeaseKeeper:
 
     def _aside(self) -> Path:
         """A file of this lease's content beside it, under a name of this writer's own."""
-        aside = self.folder / f".{LEASE_FILE}.{platform.node()}.{os.getpid()}.{secrets.token_hex(4)}"
+        name = f".{LEASE_FILE}.{platform.node()}.{os.getpid()}.{secrets.token_hex(4)}"
+        aside = self.folder / name
         with open(aside, "wb") as f:
             f.write(self._content())
             f.flush()

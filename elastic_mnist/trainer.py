@@ -307,8 +307,8 @@ class Trainer:
             self.count_nonfinite(result)
             if not result.nonfinite_ranks:
                 self.window.add(result)
-            self.display.update(self.epoch_label(), self.progress.step, self.total_steps, result.loss,
-                                self.window.samples_per_s())
+            self.display.update(self.epoch_label(), self.progress.step, self.total_steps,
+                                result.loss, self.window.samples_per_s())
             if (self.should_log() or epoch_ended) and self.window.results:
                 self.log_training(self.window.drain())
         if epoch_ended or self.done():
