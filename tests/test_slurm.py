@@ -27,7 +27,7 @@ def test_a_preempted_slurm_job_requeues_itself_and_resumes_at_the_step_it_stoppe
         pytest.skip(missing)
     try:
         outcome = slurm_check.check_slurm_job(tmp_path, steps=200, preempt_after=60,
-                                              nproc_per_node=2, timeout=600, second_steps=200)
+                                              nproc_per_node=2, timeout=600, second_steps=400)
     except slurm_check.CheckFailed as failure:
         pytest.fail(str(failure))
     print(slurm_check.report(outcome))
