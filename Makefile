@@ -21,8 +21,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[test,dev]'
 	touch $(STAMP)
 
+# Ctrl-C: jobs/local.sh stops the workers at one step with a checkpoint, and rank 0 says how to
+# resume, in one line. exec (no shell between make and the script, which SIGINT would kill) and
+# INTERRUPT_STATUS=0 keep make's own error line out: make then ends by the SIGINT it got itself.
 train: $(STAMP)
-	PATH=$(CURDIR)/$(BIN):$$PATH jobs/local.sh --data-dir $(DATA_DIR) --synthetic-fallback \
+	PATH=$(abspath $(BIN)):$$PATH INTERRUPT_STATUS=0 \
+		RESUME_COMMAND='$(subst ','\'',make train $(MAKEOVERRIDES))' \
+		exec jobs/local.sh --data-dir $(DATA_DIR) --synthetic-fallback \
 		--checkpoint-dir $(CHECKPOINT_DIR) --logdir $(LOGDIR) $(TRAIN_ARGS)
 
 test: $(STAMP)

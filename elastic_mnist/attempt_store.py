@@ -16,7 +16,9 @@ that does not know the nonce: either way the rank reads the entry again until th
 0 has replaced it. Nothing depends on restart counts.
 
 Without the shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as jobs/*.sh set) torchrun
-hands every round a fresh store of rank 0's, and torch's own ``env://`` rendezvous is used.
+gives every round a fresh address for a store of rank 0's (``MASTER_ADDR:MASTER_PORT``), and rank
+0 serves it there, as torch's ``env://`` would, but listening only on the address that
+``MASTER_ADDR`` names (elastic_mnist/stores.py): torch's own server binds every interface.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ import time
 
 from torch.distributed import TCPStore
 
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.stores import serve_store
 
 log = logging.getLogger(__name__)
 
@@ -45,24 +48,40 @@ JOIN_HANG_WARNING = (
     "it; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in every node's environment (as jobs/*.sh do)")
 
 
-def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore | None:
-    """The store for this attempt's process group, or None where torch's ``env://`` is sound.
+def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore:
+    """The store for this attempt's process group, served by rank 0.
 
     Under the shared store rank 0 also says, once per launch, what no worker can mend.
     """
     if not env.uses_agent_store:
-        return None
+        return round_store(env, timeout)
     if env.is_main and env.restart_count == 0:
         log.warning("%s", JOIN_HANG_WARNING)
     agent = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     return serve(agent, env, timeout) if env.is_main else find(agent, timeout)
 
 
+def round_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore:
+    """The store at the address torchrun gave this round (``MASTER_ADDR:MASTER_PORT``): rank 0
+    serves it, the others connect."""
+    if env.master_addr is None or env.master_port is None:
+        raise EnvError("MASTER_ADDR and MASTER_PORT must be set under torchrun")
+    if env.is_main:
+        return serve_store(env.master_addr, env.master_port, timeout=timeout,
+                           peers_local=all_local(env), world_size=env.world_size)
+    return TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
+
+
+def all_local(env: DistEnv) -> bool:
+    """Every rank of this attempt runs on this machine."""
+    return env.world_size == env.local_world_size
+
+
 def serve(agent: TCPStore, env: DistEnv, timeout: datetime.timedelta) -> TCPStore:
     """Rank 0: a new store on a free port, published with a nonce it alone knows."""
     host = socket.getfqdn(socket.gethostname())  # what torchrun advertises for its own stores
-    store = TCPStore(host, 0, env.world_size, is_master=True, timeout=timeout,
-                     wait_for_workers=False)
+    store = serve_store(host, 0, timeout=timeout, peers_local=all_local(env),
+                        world_size=env.world_size)
     nonce = secrets.token_hex(16)
     store.set(NONCE, nonce)
     agent.set(ENTRY, json.dumps({"host": host, "port": store.port, "nonce": nonce}))

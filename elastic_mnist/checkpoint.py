@@ -6,6 +6,7 @@ On disk, under ``--checkpoint-dir``::
     step-00000120.json   its manifest, written after the payload: the commit record
     latest               name of the newest committed checkpoint, moved last
     run.json             the run id and the restart generation of the job using this folder
+    lease.json           which live job uses this folder (elastic_mnist/lease.py)
 
 A payload without a manifest was never committed and is ignored. A payload whose sha256 differs
 from its manifest's is skipped with a warning, and the one before it is used.
@@ -32,6 +33,7 @@ from typing import Any
 
 import torch
 
+from elastic_mnist.data.order import epoch_number
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,12 @@ class Manifest:
     @property
     def name(self) -> str:
         return Path(self.file).stem
+
+    @property
+    def epoch_number(self) -> int:
+        """The epoch of this step counted from 1, as logs say it; ``epoch`` is the index of the
+        epoch the data cursor is in (the epochs completed before it)."""
+        return epoch_number(self.step, self.epoch, self.cursor)
 
 
 def checkpoint_name(step: int) -> str:
@@ -153,8 +161,13 @@ def check_writable(directory: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        raise CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
-                                   f"{e.strerror or e}") from None
+        raise unwritable(directory, e) from None
+
+
+def unwritable(directory: Path, error: OSError) -> CheckpointWriteError:
+    """The one line that says why the checkpoint folder cannot be written."""
+    return CheckpointWriteError(f"checkpoint folder {directory} cannot be written: "
+                                f"{error.strerror or error}")
 
 
 def describe_write_failure(directory: Path, step: int, error: OSError) -> str:

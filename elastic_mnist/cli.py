@@ -13,8 +13,9 @@ from pathlib import Path
 from elastic_mnist import rendezvous
 from elastic_mnist.config import ConfigError, add_train_arguments, train_config_from_args
 from elastic_mnist.data.idx import DataError
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import DistEnv, EnvError
 from elastic_mnist.errors import EXIT_USAGE, USER_ERRORS, report_user_error
+from elastic_mnist.preemption import EXIT_INTERRUPTED
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -91,6 +92,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader has what it wanted: a normal end
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
+    except KeyboardInterrupt:  # Ctrl-C before the training loop answers it (start-up, imports)
+        return report_interrupt(args.command)
+
+
+def report_interrupt(command: str) -> int:
+    """One line (from rank 0 alone) for a Ctrl-C that came before any step could answer it; the
+    status as job.report_stop gives it: 0 under torchrun, which must not restart the worker."""
+    try:
+        env = DistEnv.from_environ()
+    except EnvError:
+        env = DistEnv()
+    if env.is_main:
+        sys.stderr.write(f"elastic-mnist {command}: interrupted\n")
+        sys.stderr.flush()
+    return 0 if env.launched else EXIT_INTERRUPTED
 
 
 def _checkpoint_error() -> type[Exception]:
@@ -133,11 +149,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     model.load_state_dict(payload["model"])
     loss, accuracy = evaluate(model, dataset.test.to(device), device, DistEnv())
     result = {"accuracy": accuracy, "loss": loss, "step": manifest.step, "epoch": manifest.epoch,
+              "epoch_number": manifest.epoch_number,
               "checkpoint": source, "dataset": kind, "test_samples": len(dataset.test)}
     if args.json:
         print(json.dumps(result))
     else:
-        print(f"{source}: step {manifest.step}, epoch {manifest.epoch}: test accuracy "
+        print(f"{source}: step {manifest.step}, epoch {manifest.epoch_number}: test accuracy "
               f"{100 * accuracy:.2f}%, loss {loss:.4f} on {len(dataset.test)} {kind} digits")
     return 0
 
@@ -169,7 +186,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                "world_size": entry.world_size, "run_id": entry.run_id,
                "restart_generation": entry.restart_generation, "bytes": entry.bytes,
                "saved_at": entry.saved_at, "data_fingerprint": entry.data_fingerprint,
-               "valid": False, "model_digest": None, "reason": ""}
+               "valid": False, "model_digest": None, "reason": "",
+               "epoch_number": entry.epoch_number}
         try:
             payload = deserialize(read_verified(directory, entry), str(directory / entry.file))
             row.update(valid=True, model_digest=state_digest(payload["model"]))
@@ -189,7 +207,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
             continue
         status = f"digest {row['model_digest'][:16]}" if row["valid"] else \
             f"INVALID ({row['reason']})"
-        print(f"  step {row['step']:>7}  epoch {row['epoch']:>3}  world {row['world_size']:>3}  "
+        print(f"  step {row['step']:>7}  epoch {row['epoch_number']:>3}  "
+              f"world {row['world_size']:>3}  "
               f"{row['bytes']:>9} B  {status}")
     return 0
 

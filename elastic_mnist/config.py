@@ -81,6 +81,13 @@ class CheckpointConfig:
     """Also save every N optimizer steps (0: only at epoch ends and at the end)."""
     keep_last: int = 3
     """Checkpoints kept on disk; older ones are pruned after a new one is committed."""
+    lease_timeout: float = 15.0
+    """Seconds the folder stays this job's after its lease was last renewed (5 times as often),
+    for launches on machines that cannot see whether its processes still run (the README's "One
+    live job per checkpoint folder")."""
+    take_over: bool = False
+    """Take the folder from the job that holds its lease without waiting for the lease to lapse:
+    only when that job is known to be gone (if it is not, it stops at its next renewal)."""
 
 
 @dataclass
@@ -117,6 +124,9 @@ class RunConfig:
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""
+    resume_command: str = ""
+    """The command that continues this run, said in the line that a stop on Ctrl-C ends with
+    (jobs/local.sh and make train give theirs; default: this command line, without torchrun)."""
     audit_samples: bool = False
     """Every rank appends the sample indices of each step to <run dir>/audit/g<G>-r<R>.jsonl."""
 
@@ -145,6 +155,7 @@ class TrainConfig:
         _positive("--keep-last", self.checkpoint.keep_last)
         _positive("--pg-timeout", self.run.pg_timeout)
         _positive("--max-nonfinite-steps", self.run.max_nonfinite_steps)
+        _positive("--lease-timeout", self.checkpoint.lease_timeout)
         _positive("--lr", o.lr)
         for flag, value in (("--max-steps", o.max_steps), ("--warmup-steps", o.warmup_steps),
                             ("--checkpoint-every", self.checkpoint.checkpoint_every),

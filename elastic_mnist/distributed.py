@@ -52,16 +52,11 @@ def process_group(env: DistEnv, device: torch.device,
         torch.cuda.set_device(device)
     timeout = datetime.timedelta(seconds=timeout_s)
     store = attempt_store(env, timeout)
-    dist.init_process_group(
-        backend=backend_for(device),
-        timeout=timeout,
-        device_id=device if device.type == "cuda" else None,
-        **({} if store is None else {"store": store, "rank": env.rank,
-                                     "world_size": env.world_size}),
-    )
+    dist.init_process_group(backend=backend_for(device), timeout=timeout,
+                            device_id=device if device.type == "cuda" else None,
+                            store=store, rank=env.rank, world_size=env.world_size)
     try:
-        yield (store.clone() if store is not None else
-               dist.TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout))
+        yield store.clone()
     finally:
         if dist.is_initialized():  # a recovery in process may have replaced it, or failed to
             dist.destroy_process_group()

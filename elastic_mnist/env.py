@@ -64,6 +64,9 @@ class DistEnv:
     ``--rdzv_id``); None for one node (``--standalone``, ``--nnodes=1``), other backends, or
     when it cannot be read. torchrun hands its workers no variable for it: it is read from the
     agent's command line, with torchrun's own argument parser."""
+    requeue_count: int = 0
+    """How often the scheduler put this job back into its queue (SLURM's
+    ``SLURM_RESTART_COUNT``; 0 elsewhere): which copy of the job this is."""
 
     @property
     def is_main(self) -> bool:
@@ -96,8 +99,10 @@ class DistEnv:
             missing = "WORLD_SIZE" if has_rank else "RANK"
             present = "RANK" if has_rank else "WORLD_SIZE"
             raise EnvError(f"{present} is set but {missing} is not; launch with torchrun")
+        requeue_count = _int(env, "SLURM_RESTART_COUNT", 0, minimum=0)
         if not has_rank:
-            return cls(restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0))
+            return cls(restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0, minimum=0),
+                       requeue_count=requeue_count)
 
         world_size = _int(env, "WORLD_SIZE", minimum=1)
         rank = _int(env, "RANK", minimum=0)
@@ -130,6 +135,7 @@ class DistEnv:
             launched=True,
             uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             rendezvous=rendezvous_of(launcher_argv or ()),
+            requeue_count=requeue_count,
         )
 
     def describe(self) -> str:

@@ -6,6 +6,7 @@ import datetime
 import logging
 import platform
 import secrets
+import shlex
 import sys
 import uuid
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ from elastic_mnist.faults import Faults
 from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
-from elastic_mnist.preemption import EXIT_PREEMPTED, stop_on_signals
+from elastic_mnist.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, stop_on_signals
 from elastic_mnist.progress import progress_display
 from elastic_mnist.trainer import AuditLog, PeerStopped, Trainer
 from elastic_mnist.watchdog import Watchdog
@@ -97,9 +98,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     if resume is not None:
         payload, source = resume
         trainer.restore(payload, source)
-        log.info("resumed from %s: step %d, epoch %d, %d samples into it (saved at world size "
-                 "%d, now %d)", source, trainer.progress.step, trainer.progress.epoch,
-                 trainer.progress.cursor, payload["world_size"], env.world_size)
+        log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
+                 trainer.whereabouts(), payload["world_size"], env.world_size)
     step = trainer.progress.step
     # Steps after the checkpoint were lost with the old workers: hide what they logged.
     duties.report(trainer, purge_step=step + 1)
@@ -139,10 +139,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         if outcome == "left":
             log.warning("leaving at step %d after %s: the other nodes go on without this one; "
                         "exiting with %d", step, stop.signal_name, EXIT_PREEMPTED)
-        else:
-            log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
-                        stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
-        return EXIT_PREEMPTED
+            return EXIT_PREEMPTED
+        return report_stop(trainer, stop, cfg, env)
     test_loss, test_accuracy = trainer.last_eval or (None, None)
     trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     trainer.events.close()
@@ -255,6 +253,35 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout)
+
+
+def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: DistEnv) -> int:
+    """The line a stop before the end leaves, and the worker's exit status.
+
+    SIGTERM (a scheduler's preemption or time limit) and a stop at another rank's request: every
+    rank says it, exit EXIT_PREEMPTED, which schedulers and torchrun read as "not finished"
+    (torchrun restarts the group). SIGINT (Ctrl-C) received by this process: rank 0 alone says it, with the
+    checkpoint and the command that resumes, and the worker exits 0 under torchrun, which then
+    ends as after a finished run instead of restarting it (under torchrun a worker gets SIGINT
+    from the agent's own shutdown, or from a launcher that wants the job to end: jobs/local.sh),
+    and EXIT_INTERRUPTED without a launcher, as shells expect of a program ended by Ctrl-C.
+    Decided after the checkpoint is saved: ranks that a launcher signalled a moment after another
+    have their signal by then.
+    """
+    step = trainer.progress.step
+    if stop.signal_name != "SIGINT":
+        log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
+                    stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
+    manifest = trainer.checkpointer.last_manifest
+    saved = (f"checkpoint saved: {Path(cfg.checkpoint.checkpoint_dir) / manifest.file}"
+             if manifest is not None else "checkpoint saved")
+    resume = cfg.run.resume_command or (
+        "" if env.launched else shlex.join(["elastic-mnist", *sys.argv[1:]]))
+    how = f"resume with: {resume}" if resume else "the same launch command resumes from it"
+    say = log.warning if env.is_main else log.info
+    say("stopped at step %d after Ctrl-C; %s; %s", step, saved, how)
+    return 0 if env.launched else EXIT_INTERRUPTED
 
 
 def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) -> None:

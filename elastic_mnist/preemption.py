@@ -11,6 +11,7 @@ log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 EXIT_PREEMPTED = 128 + signal.SIGTERM  # what schedulers read as "terminated, not finished"
+EXIT_INTERRUPTED = 128 + signal.SIGINT  # what shells read as "ended by Ctrl-C"
 
 
 class StopRequest:
@@ -23,8 +24,10 @@ class StopRequest:
     def _handle(self, signum: int, frame: object) -> None:
         if not self.requested:
             self.signal_name = signal.Signals(signum).name
-            log.warning("%s received: stopping at the next step boundary, after a checkpoint",
-                        self.signal_name)
+            # A Ctrl-C is answered by one line at the stop (job.report_stop), said by rank 0.
+            log.log(logging.DEBUG if signum == signal.SIGINT else logging.WARNING,
+                    "%s received: stopping at the next step boundary, after a checkpoint",
+                    self.signal_name)
         self.requested = True
 
 

@@ -15,7 +15,7 @@ from tqdm.contrib.logging import logging_redirect_tqdm
 class LogLines:
     """Without a TTY (or on ranks other than 0): nothing here; the trainer's log lines suffice."""
 
-    def update(self, epoch: int, step: int, total_steps: int, loss: float,
+    def update(self, epoch: int | str, step: int, total_steps: int, loss: float,
                samples_per_s: float) -> None:
         pass
 
@@ -41,8 +41,9 @@ class ProgressBar(LogLines):
         self._redirect = contextlib.ExitStack()
         self._redirect.enter_context(logging_redirect_tqdm([logging.getLogger()]))
 
-    def update(self, epoch: int, step: int, total_steps: int, loss: float,
+    def update(self, epoch: int | str, step: int, total_steps: int, loss: float,
                samples_per_s: float) -> None:
+        """``epoch`` as the trainer labels it: ``N/E``, the epoch of ``step`` counted from 1."""
         self.bar.set_description_str(f"epoch {epoch}", refresh=False)
         self.bar.set_postfix_str(f"loss {loss:.4f}, {samples_per_s:,.0f} samples/s, "
                                  f"world {self.world_size}", refresh=False)

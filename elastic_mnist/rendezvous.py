@@ -6,7 +6,8 @@ process instead, on a machine outside every training node (``RDZV_STORE=external
 jobs/node.sh, where every agent starts with ``--rdzv_conf=is_host=false``), the store outlives any
 node, the first one included. It holds only rendezvous state, a few small keys per round, so it
 needs no GPU and next to no memory; one store serves any number of jobs (their ``--rdzv_id``
-keeps them apart).
+keeps them apart). It listens on the address ``--host`` resolves to (elastic_mnist/stores.py),
+not on every interface as torch's own store server does; ``--host 0.0.0.0`` asks for every one.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class RendezvousError(Exception):
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="localhost",
                         help="this machine's address as the agents' --rdzv_endpoint names it; "
-                             "the store listens on every interface either way")
+                             "the store listens on the address it resolves to here (0.0.0.0: "
+                             "every interface)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
                         help="port to listen on (0: any free port, logged)")
 
@@ -47,19 +49,21 @@ def serve(host: str, port: int) -> int:
     """Serves the store on ``port`` until SIGTERM or SIGINT, then returns 0."""
     if not 0 <= port <= 65535:
         raise RendezvousError(f"port {port} is not a TCP port (0 to 65535)")
-    from torch.distributed import DistError, TCPStore  # torch is imported only when serving
+    from torch.distributed import DistError  # torch is imported only when serving
+
+    from elastic_mnist.stores import listen_address, serve_store
 
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda signum, frame: stop.set()) for sig in STOP_SIGNALS}
     try:
         try:
             # The agents create their own keys (each rendezvous under its run id), so the store
-            # waits for nobody and expects no world size.
-            store = TCPStore(host, port, is_master=True, wait_for_workers=False,
-                             timeout=CONNECT_TIMEOUT)
-        except DistError as e:
+            # waits for nobody and expects no world size. Agents may come from anywhere.
+            address = listen_address(host, peers_local=False)[1] or "every interface"
+            store = serve_store(host, port, timeout=CONNECT_TIMEOUT, peers_local=False)
+        except (DistError, OSError) as e:
             raise RendezvousError(_explain(e, host, port)) from None
-        log.info("rendezvous store listening on %s:%d", host, store.port)
+        log.info("rendezvous store listening on %s:%d (%s)", host, store.port, address)
         stop.wait()
         log.info("rendezvous store on %s:%d stopping", host, store.port)
         return 0
@@ -70,7 +74,7 @@ def serve(host: str, port: int) -> int:
 
 def _explain(error: Exception, host: str, port: int) -> str:
     message = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if "EADDRINUSE" in message or "address already in use" in message:
+    if "EADDRINUSE" in message or "address already in use" in message.lower():
         return (f"port {port} is already in use (another rendezvous store, or a job's agent, "
                 f"listens there): choose another --port")
     return f"cannot serve the rendezvous store on {host}:{port}: {message}"

@@ -35,7 +35,7 @@ from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.fingerprint import SHORT
-from elastic_mnist.data.order import SampleOrder, share
+from elastic_mnist.data.order import SampleOrder, epoch_number, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
@@ -72,6 +72,10 @@ class Progress:
     nonfinite_steps: int = 0
     """Steps skipped because their loss or gradients were not finite, in the whole run."""
     nonfinite_in_a_row: int = 0
+
+    def epoch_number(self) -> int:
+        """The epoch of the last completed step, counted from 1 (data/order.py)."""
+        return epoch_number(self.step, self.epoch, self.cursor)
 
 
 @dataclass
@@ -267,6 +271,8 @@ class Trainer:
         self.total_steps = o.epochs * self.order.steps_per_epoch
         if o.max_steps:
             self.total_steps = min(self.total_steps, o.max_steps)
+        self.total_epochs = math.ceil(self.total_steps / self.order.steps_per_epoch)
+        """Epochs this run trains in (fewer than --epochs when --max-steps ends it sooner)."""
 
         if device.type == "cuda":
             torch.backends.cudnn.benchmark = True  # shapes never change: autotune once
@@ -399,9 +405,8 @@ class Trainer:
             self.count_nonfinite(result)
             if not result.nonfinite_ranks:
                 self.window.add(result)
-            self.display.update(self.progress.epoch + (self.progress.cursor > 0),
-                                self.progress.step, self.total_steps, result.loss,
-                                self.window.samples_per_s())
+            self.display.update(self.epoch_label(), self.progress.step, self.total_steps,
+                                result.loss, self.window.samples_per_s())
             if (self.should_log() or epoch_ended) and self.window.results:
                 self.log_training(self.window.drain())
             elif changed:  # the world size drops at the step where it happened
@@ -699,10 +704,10 @@ class Trainer:
             "perf/step_ms": window["step_ms"], "perf/data_wait_pct": window["data_wait_pct"],
             "elastic/world_size": self.env.world_size,
             "elastic/restart_generation": self.restart_generation,
-            "train/nonfinite_steps": p.nonfinite_steps,
+            "train/nonfinite_steps": p.nonfinite_steps, "train/epoch": p.epoch_number(),
         })
-        log.info("epoch %d step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
-                 p.epoch + (p.cursor > 0), p.step, self.total_steps, window["loss"],
+        log.info("epoch %s step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
+                 self.epoch_label(), p.step, self.total_steps, window["loss"],
                  100 * window["accuracy"], lr, window["samples_per_s"])
 
     def log_evaluation(self) -> tuple[float, float]:
@@ -715,12 +720,29 @@ class Trainer:
             if self.env.is_main:
                 self.metrics.image("test/predictions", self.prediction_grid(), step)
             self.metrics.flush()
-            self.events.emit("eval", step, accuracy=accuracy, loss=loss)
+            epoch_done = self.progress.cursor == 0
+            self.events.emit("eval", step, accuracy=accuracy, loss=loss,
+                             epoch=self.progress.epoch_number(), epoch_done=epoch_done)
         self.last_eval, self.last_eval_step = (loss, accuracy), step
-        log.info("epoch %d done: test loss %.4f, test accuracy %.2f%%", self.progress.epoch,
-                 loss, 100 * accuracy)
+        steps_in = step - (self.progress.epoch_number() - 1) * self.order.steps_per_epoch
+        where = ("done" if epoch_done else
+                 f"ends after {steps_in} of its {self.order.steps_per_epoch} steps")
+        log.info("epoch %s %s at step %d: test loss %.4f, test accuracy %.2f%%",
+                 self.epoch_label(), where, step, loss, 100 * accuracy)
         return loss, accuracy
 
+    def epoch_label(self) -> str:
+        """``N/E``: the epoch of the last completed step (from 1) of the epochs this run trains
+        in, as logs and the progress bar show it."""
+        return f"{self.progress.epoch_number()}/{self.total_epochs}"
+
+    def whereabouts(self) -> str:
+        """Where a resumed run continues: the step, and how far into which epoch."""
+        p = self.progress
+        if self.done():
+            return f"step {p.step}, the end of epoch {self.epoch_label()}: nothing left to train"
+        return (f"step {p.step}, {p.cursor} of {self.order.num_samples} samples into epoch "
+                f"{p.epoch + 1}/{self.total_epochs}")
 
     @torch.no_grad()
     def prediction_grid(self, count: int = 16) -> torch.Tensor:

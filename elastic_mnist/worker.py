@@ -12,6 +12,7 @@ from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import USER_ERRORS, report_user_error
 from elastic_mnist.job import run_training
+from elastic_mnist.lease import FolderInUse, checkpoint_folder_lease
 from elastic_mnist.logs import setup_logging
 from elastic_mnist.membership import EXIT_GAVE_UP, CannotRecover
 from elastic_mnist.trainer import PeerStopped, TrainingDiverged
@@ -29,9 +30,10 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     setup_logging(env)
     try:
         device = resolve_device(cfg.run.device, env)
-        with process_group(env, device, cfg.run.pg_timeout) as store:
-            return run_training(cfg, env, device, store)
-    except USER_ERRORS + (CheckpointError, TrainingDiverged) as e:
+        with process_group(env, device, cfg.run.pg_timeout) as store, \
+                checkpoint_folder_lease(cfg, env, device) as lease:  # one live job per folder
+            return lease.ended(run_training(cfg, env, device, store))
+    except USER_ERRORS + (CheckpointError, TrainingDiverged, FolderInUse) as e:
         return report_user_error("train", e)
     except PeerStopped as e:
         return e.exit_code

@@ -9,8 +9,14 @@
 #   NNODES          number of nodes, or MIN:MAX for an elastic job (1)
 #   NPROC_PER_NODE  workers on this node (the GPUs visible, else 2)
 #   RDZV_ENDPOINT   HOST:PORT of the rendezvous store, the same on every node; required unless
-#                   NNODES is 1 (then localhost and a free port, like torchrun --standalone)
-#   RUN_ID          the rendezvous id, the same on every node of one job (elastic-mnist)
+#                   NNODES is 1 (then localhost and a free port, like torchrun --standalone).
+#                   HOST alone: the port is derived from RUN_ID (29400 + RUN_ID mod 1000 for a
+#                   number, else from its checksum), the same on every node and another for each
+#                   job, so that jobs whose first nodes share a machine do not collide
+#   RUN_ID          the rendezvous id: the same on every node of one job, and another for each
+#                   job; it names the job for the checkpoint folder's lease, which refuses a
+#                   second job in the folder (elastic-mnist; with NNODES=1 a fresh one for each
+#                   launch, as torchrun --standalone draws)
 #   MAX_RESTARTS    restarts of this node's workers after failures before the agent gives up;
 #                   nodes joining or leaving do not count (3)
 #   RDZV_STORE      who serves the store: `agent`, the agent on the endpoint's host; or
@@ -36,12 +42,31 @@ die() {
 NNODES=${NNODES:-1}
 if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
   if [[ "$NNODES" != 1 ]]; then
-    die "RDZV_ENDPOINT (HOST:PORT of the rendezvous store) is required with NNODES=$NNODES"
+    die "RDZV_ENDPOINT (HOST[:PORT] of the rendezvous store) is required with NNODES=$NNODES"
   fi
   if [[ "${RDZV_STORE:-agent}" != agent ]]; then
     die "RDZV_STORE=$RDZV_STORE needs RDZV_ENDPOINT, where the store runs"
   fi
   RDZV_ENDPOINT=localhost:0  # this node's agent serves the store on a port the OS chooses
+fi
+if [[ -z "${RUN_ID:-}" ]]; then
+  if [[ "$NNODES" == 1 ]]; then  # a launch of its own, which another must not join
+    RUN_ID=$(cat /proc/sys/kernel/random/uuid 2> /dev/null ||
+      python3 -c 'import uuid; print(uuid.uuid4())')
+  else
+    RUN_ID=elastic-mnist
+  fi
+fi
+
+# HOST without a port: one for this job alone, which every node derives alike.
+if [[ "$RDZV_ENDPOINT" != *:* ]]; then
+  if [[ "$RUN_ID" =~ ^[0-9]{1,18}$ ]]; then  # a SLURM job id, say
+    key=$((10#$RUN_ID))
+  else
+    key=$(printf '%s' "$RUN_ID" | cksum)
+    key=${key%% *}
+  fi
+  RDZV_ENDPOINT=$RDZV_ENDPOINT:$((29400 + key % 1000))
 fi
 
 case "${RDZV_STORE:-agent}" in
@@ -139,7 +164,7 @@ cmd=("${launcher[@]}"
   --nproc_per_node="$NPROC_PER_NODE"
   --rdzv_backend=c10d
   --rdzv_endpoint="$RDZV_ENDPOINT"
-  --rdzv_id="${RUN_ID:-elastic-mnist}"
+  --rdzv_id="$RUN_ID"
   --rdzv_conf="$rdzv_conf"
   --max_restarts="${MAX_RESTARTS:-3}"
   --monitor_interval="$monitor_interval"

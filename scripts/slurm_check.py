@@ -19,8 +19,16 @@ rehearsal the job file names, and checks what the run left behind:
 - one run for the job however often it started: one folder under LOGDIR, named by the job id,
   and the same run id in the checkpoint folder.
 
+A second job is submitted with it, into a SHARED folder of its own (one worker, --second-steps):
+both first nodes are this machine. It must run through the first job's stop and requeue and
+finish too (COMPLETED, 0:0, one run folder of its own), at a rendezvous port other than the first
+job's: with one fixed port the second job's agent joined the first's store as a client (torchrun
+does when it cannot serve the port), the jobs met in one store, and the requeued first job failed
+when the other job's agent ended.
+
 Prints the seconds from submission to the first step, from the TERM to the stop, from the stop to
-the requeued job's first step, and from there to the finish. Exit 0 when all hold, 1 when one does
+the requeued job's first step, and from there to the finish, and the second job's from submission
+to its finish. Exit 0 when all hold, 1 when one does
 not (the work folder is then kept), 2 when SLURM is not there or the arguments are wrong.
 """
 
@@ -58,6 +66,7 @@ class CheckFailed(Exception):
 class Outcome:
     job_id: str
     work: Path
+    second_job_id: str = ""
     stopped_step: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -95,6 +104,12 @@ class Job:
         self.observer = Observer(work / "runs" / job_id)
         self.deadline = deadline
 
+    def endpoint(self) -> str:
+        """The rendezvous endpoint the job file chose, from its log."""
+        found = re.search(rf"job {self.id}: rendezvous at (\S+)",
+                          self.log.read_text(errors="replace") if self.log.exists() else "")
+        return found.group(1) if found else ""
+
     def state(self) -> str:
         return job_fields(self.id).get("JobState", "UNKNOWN")
 
@@ -131,19 +146,10 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, check=False, capture_output=True, text=True, **kwargs)
 
 
-def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
-                    nproc_per_node: int = 2, timeout: float = 900) -> Outcome:
-    """Submits, preempts and follows the job to its end; raises CheckFailed at the first thing
-    that does not hold."""
-    deadline = time.time() + timeout
-    data = work / "data"
-    synth = run([str(BIN / "elastic-mnist"), "synth", "--out", str(data), "--train", "12800",
-                 "--test", "512", "--seed", "0"])
-    if synth.returncode != 0:
-        raise CheckFailed(f"elastic-mnist synth failed: {synth.stderr.strip()}")
+def submit(work: Path, steps: int, nproc_per_node: int, deadline: float) -> Job:
+    """jobs/slurm.sbatch as users submit it, its SHARED folder ``work``, ``steps`` steps."""
     epochs = -(-steps * 128 // 12800)  # enough epochs for --steps at the default batch of 128
     env = job_env(threads=1, SHARED=str(work), NPROC_PER_NODE=str(nproc_per_node))
-    submitted = time.time()
     sbatch = run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0",
                   f"--output={work}/elastic-mnist-%j.out", str(SBATCH),
                   "--dataset", "synthetic", "--no-download", "--epochs", str(epochs),
@@ -151,9 +157,27 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
                   "--audit-samples", "--device", "cpu"], cwd=REPO, env=env)
     if sbatch.returncode != 0:
         raise CheckFailed(f"sbatch refused the job: {sbatch.stderr.strip()}")
-    job = Job(sbatch.stdout.strip().split(";")[0], work, deadline)
-    outcome = Outcome(job.id, work)
-    print(f"slurm_check: job {job.id} submitted; work folder {work}", flush=True)
+    return Job(sbatch.stdout.strip().split(";")[0], work, deadline)
+
+
+def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
+                    nproc_per_node: int = 2, timeout: float = 900,
+                    second_steps: int = 600) -> Outcome:
+    """Submits both jobs, preempts the first and follows both to their end; raises CheckFailed
+    at the first thing that does not hold."""
+    deadline = time.time() + timeout
+    data = work / "data"
+    synth = run([str(BIN / "elastic-mnist"), "synth", "--out", str(data), "--train", "12800",
+                 "--test", "512", "--seed", "0"])
+    if synth.returncode != 0:
+        raise CheckFailed(f"elastic-mnist synth failed: {synth.stderr.strip()}")
+    (work / "second").mkdir()
+    (work / "second" / "data").symlink_to(data)  # the same digits, its own checkpoints and runs
+    submitted = time.time()
+    job = submit(work, steps, nproc_per_node, deadline)
+    second = submit(work / "second", second_steps, 1, deadline)
+    outcome = Outcome(job.id, work, second.id)
+    print(f"slurm_check: jobs {job.id} and {second.id} submitted; work folder {work}", flush=True)
 
     first = job.wait("the first step", lambda: job.first_step_time(0))
     outcome.timings["submit → first step"] = first - submitted
@@ -198,6 +222,9 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
     ended = time.time()
     check_end(job, finish, steps, stopped)
     outcome.timings["submit → job completed"] = ended - submitted
+    check_second_job(second, job, second_steps, event_time(preempted))
+    outcome.timings["second job: submit → completed"] = \
+        event_time(second.events("finish")[0]) - submitted
     log = job.log.read_text(errors="replace")
     if "SignalException" in log:
         outcome.notes.append("the job log holds torchrun's SignalException traceback (the "
@@ -264,9 +291,33 @@ def check_end(job: Job, finish: dict, steps: int, stopped: int) -> None:
         raise CheckFailed(f"the job log does not say that the job requeued itself{job.log_tail()}")
 
 
+def check_second_job(second: Job, first: Job, steps: int, first_stopped: float) -> None:
+    """The job beside the first: its own rendezvous port, through the first job's stop, finished
+    in one run folder of its own."""
+    if not first.endpoint() or first.endpoint() == second.endpoint():
+        raise CheckFailed(f"jobs {first.id} and {second.id} met at rendezvous endpoints "
+                          f"{first.endpoint()!r} and {second.endpoint()!r}: not two of their own")
+    finish = second.wait("the second job's finish", lambda: second.events("finish"))[0]
+    second.wait("the second job's end", lambda: second.state() in ENDED)
+    fields = job_fields(second.id)
+    if (fields.get("JobState"), fields.get("ExitCode")) != ("COMPLETED", "0:0"):
+        raise CheckFailed(f"the second job {second.id} ended {fields.get('JobState')} with exit "
+                          f"code {fields.get('ExitCode')}{second.log_tail()}")
+    if finish["step"] != steps:
+        raise CheckFailed(f"the second job finished at step {finish['step']}, not {steps}")
+    starts = [event_time(e) for e in second.events("start")]
+    if not starts or starts[0] > first_stopped or event_time(finish) < first_stopped:
+        raise CheckFailed("the second job did not run through the first job's stop; make "
+                          "--second-steps longer")
+    runs = sorted(p.name for p in (second.work / "runs").iterdir())
+    if runs != [second.id]:
+        raise CheckFailed(f"one run folder named {second.id} expected under the second job's "
+                          f"runs/, found {runs}")
+
+
 def report(outcome: Outcome) -> str:
     passed = (f"slurm_check: passed (job {outcome.job_id}, stopped and resumed at step "
-              f"{outcome.stopped_step})")
+              f"{outcome.stopped_step}; job {outcome.second_job_id} beside it)")
     lines = [passed, "| interval | seconds |", "| --- | ---: |"]
     lines += [f"| {name} | {seconds:.1f} |" for name, seconds in outcome.timings.items()]
     lines += [f"slurm_check: {note}" for note in outcome.notes]
@@ -279,11 +330,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--preempt-after", type=int, default=100,
                         help="send the TERM once the job has trained this many steps")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="workers (NPROC_PER_NODE)")
+    parser.add_argument("--second-steps", type=int, default=600,
+                        help="steps of the second job (one worker), which must outlast the "
+                             "first job's stop")
     parser.add_argument("--timeout", type=float, default=900, help="seconds for all of it")
     parser.add_argument("--keep", action="store_true", help="keep the work folder after a pass")
     args = parser.parse_args(argv)
-    if not 0 < args.preempt_after < args.steps or args.nproc_per_node < 1 or args.timeout <= 0:
-        parser.error("need 0 < --preempt-after < --steps, --nproc-per-node >= 1, --timeout > 0")
+    if not 0 < args.preempt_after < args.steps or args.nproc_per_node < 1 or args.timeout <= 0 \
+            or args.second_steps < 1:
+        parser.error("need 0 < --preempt-after < --steps, --nproc-per-node >= 1, --timeout > 0, "
+                     "--second-steps >= 1")
     missing = slurm_missing()
     if missing:
         print(f"slurm_check: {missing}", file=sys.stderr)
@@ -291,7 +347,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="slurm-check-"))
     try:
         outcome = check_slurm_job(work, args.steps, args.preempt_after, args.nproc_per_node,
-                                  args.timeout)
+                                  args.timeout, args.second_steps)
     except CheckFailed as failure:
         print(f"slurm_check: FAILED: {failure}\nslurm_check: work folder kept: {work}",
               file=sys.stderr)

@@ -4,9 +4,14 @@ Every run trains the tiny synthetic digits (640 train, 256 test) for 4 epochs of
 global batch of 64 under real torchrun on CPU:
 
 - ``reference_run``: two workers, uninterrupted, a checkpoint after every step;
-- ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them;
+- ``killed_run``: two workers, one of them SIGKILLed twice, torchrun restarting them (what it
+  listens on before the first kill in listening.json); before the first kill a second launch
+  into its folder, with another seed (intruder.log);
 - ``resized_run``: two workers preempted by SIGTERM, one worker resuming and preempted in turn, two
-  workers finishing, every sample audited; no --run-id given.
+  workers finishing, every sample audited; no --run-id given;
+- ``interrupted_make_train``: ``make train`` (jobs/local.sh) stopped by a Ctrl-C after its
+  checkpoint of step 2: SIGINT to the launch's process group, as a terminal sends it (what it
+  listens on before in listening.json).
 """
 
 from __future__ import annotations
@@ -14,15 +19,18 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import random
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
 import pytest
-from launch import kill_tree, run, start, torchrun_cmd
+from launch import REPO, clean_env, kill_tree, listening, run, start, torchrun_cmd
 
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.cli import main
@@ -99,10 +107,30 @@ def killed_run(tiny_digits, tmp_path_factory) -> Path:
                                            "--run-id", "killed"), max_restarts=3), log=log)
     for at_step in (4, 24):
         wait_until(lambda s=at_step: newest_committed_step(work / "ckpt") >= s, proc)
+        if at_step == 4:  # a live two-worker job under plain torchrun: what it listens on
+            (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
+            intrude(tiny_digits, work, proc)
         rng.choice(workers(proc)).send_signal(signal.SIGKILL)
         time.sleep(rng.uniform(0.0, 0.3))
     assert proc.wait(timeout=240) == 0, log.read_text()
     return work
+
+
+def intrude(data: Path, work: Path, proc: subprocess.Popen) -> None:
+    """Another launch into the folder of the live job ``proc``, with another seed; its output in
+    intruder.log. The job's workers are held (SIGSTOP) meanwhile, so that the job is still
+    there, at the same step, when the launch looks at the folder (its 40 steps take less time
+    than a launch takes to start); its restarts come after."""
+    held = workers(proc)
+    for worker in held:
+        worker.send_signal(signal.SIGSTOP)
+    try:
+        intruder = run(torchrun_cmd(2, *args_for(data, work, "--seed", "1", "--run-id",
+                                                 "intruder")))
+    finally:
+        for worker in held:
+            worker.send_signal(signal.SIGCONT)
+    (work / "intruder.log").write_text(f"exit {intruder.returncode}\n{intruder.stdout}")
 
 
 @dataclass
@@ -146,3 +174,37 @@ def resized_run(tiny_digits, tmp_path_factory) -> ResizedRun:
     done = run(torchrun_cmd(2, *args))
     assert done.returncode == 0, done.stdout
     return ResizedRun(work, preemptions, done.stdout)
+
+
+@dataclass
+class Interrupted:
+    work: Path
+    log: str
+    status: int
+    seconds_to_exit: float
+    """From the SIGINT to the end of make."""
+
+
+@pytest.fixture(scope="session")
+def interrupted_make_train(tiny_digits, tmp_path_factory) -> Interrupted:
+    """``make train`` with this Python's environment, 1000 steps asked for, Ctrl-C once its
+    checkpoint of step 2 is committed."""
+    work = tmp_path_factory.mktemp("interrupted")
+    train_args = " ".join(FLAGS[:-1] + ["100", "--checkpoint-every", "2"])  # --epochs 100
+    cmd = ["make", "-o", ".venv/.installed", "train", f"BIN={Path(sys.executable).parent}",
+           f"DATA_DIR={tiny_digits}", f"CHECKPOINT_DIR={work / 'ckpt'}",
+           f"LOGDIR={work / 'runs'}", f"TRAIN_ARGS={train_args}"]
+    log = work / "make.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(NPROC_PER_NODE="2"), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_until(lambda: newest_committed_step(work / "ckpt") >= 2, proc)
+        (work / "listening.json").write_text(json.dumps(listening(proc.pid)))
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what the terminal sends on Ctrl-C
+        status = proc.wait(timeout=60)
+        seconds = time.monotonic() - sent
+    finally:
+        kill_tree(proc.pid)
+    return Interrupted(work, log.read_text(), status, seconds)

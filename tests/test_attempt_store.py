@@ -11,6 +11,7 @@ import json
 import threading
 import time
 
+import psutil
 from launch import free_port
 from torch.distributed import TCPStore
 
@@ -47,9 +48,45 @@ def test_a_rank_takes_only_the_store_that_proves_to_be_this_attempts():
     assert rank0.get("from rank 1") == b"hello"  # one store, both ranks
 
 
-def test_without_the_shared_store_torch_rendezvous_is_used():
-    env = DistEnv(rank=0, world_size=2, launched=True, uses_agent_store=False)
-    assert attempt_store(env, TIMEOUT) is None
+def test_without_the_shared_store_rank_0_serves_the_rounds_address_on_its_interface_alone():
+    port = free_port()
+    envs = [DistEnv(rank=rank, world_size=2, local_world_size=2, launched=True,
+                    master_addr="127.0.0.1", master_port=port) for rank in (0, 1)]
+    rank0 = attempt_store(envs[0], TIMEOUT)
+    rank1 = attempt_store(envs[1], TIMEOUT)
+    rank1.set("from rank 1", "hello")
+    assert rank0.get("from rank 1") == b"hello"
+    assert listening_addresses(port) == ["127.0.0.1"]  # torch's own server would bind ::
+
+
+def listening_addresses(port: int) -> list[str]:
+    return [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
+def test_our_stores_listen_where_peers_connect(monkeypatch):
+    """The address the advertised name resolves to; every interface only when that is loopback
+    and peers on other machines use the name (a hosts file mapping the host name to 127.0.1.1)."""
+    import socket
+
+    from elastic_mnist.stores import listen_address, serve_store
+
+    resolved = {"node7": "127.0.1.1", "node8": "192.0.2.8"}
+    real = socket.getaddrinfo
+    monkeypatch.setattr(socket, "getaddrinfo", lambda host, *a, **k: [
+        (socket.AF_INET, socket.SOCK_STREAM, 6, "", (resolved[host], 0))] if host in resolved
+        else real(host, *a, **k))
+    assert listen_address("node8", peers_local=False)[1] == "192.0.2.8"
+    assert listen_address("node7", peers_local=True)[1] == "127.0.1.1"
+    assert listen_address("node7", peers_local=False)[1] == ""  # every interface
+    assert listen_address("localhost", peers_local=False)[1] in ("127.0.0.1", "::1")
+    assert listen_address("0.0.0.0", peers_local=True)[1] == ""
+    store = serve_store("127.0.0.1", 0, timeout=TIMEOUT, peers_local=False)
+    assert listening_addresses(store.port) == ["127.0.0.1"]
+    everywhere = serve_store("0.0.0.0", 0, timeout=TIMEOUT, peers_local=False)
+    assert listening_addresses(everywhere.port) in (["::"], ["0.0.0.0"])
+    everywhere.set("k", "v")
+    assert client(everywhere).get("k") == b"v"  # reached on loopback too
 
 
 def test_torchrun_environment_says_whether_the_store_is_shared():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from shared_runs import STEPS, args_for, evaluate, newest
 
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.data.datasets import load
+from elastic_mnist.events import read_events
 
 pytestmark = pytest.mark.slow
 
@@ -52,7 +54,7 @@ def test_sigterm_stops_at_an_agreed_step_and_loses_nothing(resized_run):
         assert len(stops) == preemption.world_size and len(set(stops)) == 1, preemption.log
         assert not [line for line in preemption.log.splitlines() if line.startswith("[rank")]
         assert preemption.newest_checkpoint == stops[0]  # saved at the agreed step
-        assert f"step {stops[0]}, epoch" in next_log  # the next launch resumed exactly there
+        assert re.search(rf"resumed from \S+: step {stops[0]}, ", next_log)  # exactly there
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +126,37 @@ def three_steps(tiny_digits, tmp_path_factory) -> Path:
     done = run(cli_cmd(*args_for(tiny_digits, work, "--max-steps", "3")))
     assert done.returncode == 0, done.stdout
     return work
+
+
+def epoch_scalars(run_dir: Path) -> list[tuple[int, int]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir))
+    acc.Reload()
+    return [(e.step, int(e.value)) for e in acc.Scalars("train/epoch")]
+
+
+def test_epochs_are_counted_from_1_in_logs_events_and_tensorboard(three_steps, reference_run):
+    """An epoch is counted one way wherever progress is said: the epoch of a step, from 1. The
+    3-step run ends inside its only epoch (10 steps); the reference run ends 4 whole epochs."""
+    (short,) = (three_steps / "runs").iterdir()
+    log = (short / "train.log").read_text()
+    assert "epoch 1/1 step 2/3 " in log and "epoch 1/1 step 3/3 " in log, log
+    assert "epoch 1/1 ends after 3 of its 10 steps at step 3: test loss" in log, log
+    assert "epoch 0" not in log, log
+    evals = [e for e in read_events(short / "events.jsonl") if e["event"] == "eval"]
+    assert [(e["step"], e["epoch"], e["epoch_done"]) for e in evals] == [(3, 1, False)]
+    assert epoch_scalars(short) == [(2, 1), (3, 1)]
+
+    full = reference_run / "runs" / "reference"
+    log = (full / "train.log").read_text()
+    for epoch in range(1, 5):
+        assert f"epoch {epoch}/4 step {10 * epoch}/40 " in log, log
+        assert f"epoch {epoch}/4 done at step {10 * epoch}: test loss" in log, log
+    evals = [e for e in read_events(full / "events.jsonl") if e["event"] == "eval"]
+    assert [(e["step"], e["epoch"], e["epoch_done"]) for e in evals] == \
+        [(10, 1, True), (20, 2, True), (30, 3, True), (40, 4, True)]
+    assert epoch_scalars(full) == [(step, (step + 9) // 10) for step in range(2, 41, 2)]
 
 
 def test_a_checkpoint_that_would_run_code_stops_the_job(tiny_digits, three_steps, tmp_path):

@@ -18,6 +18,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -127,7 +128,9 @@ def test_node_sh_single_node_defaults():
     options, train = planned()
     assert options["nnodes"] == "1"
     assert options["rdzv_endpoint"] == "localhost:0"  # like --standalone: a port the OS picks
-    assert options["rdzv_id"] == "elastic-mnist"
+    assert uuid.UUID(options["rdzv_id"]).version == 4  # as --standalone: a job of its own
+    assert planned()[0]["rdzv_id"] != options["rdzv_id"]
+    assert planned(NNODES="2", RDZV_ENDPOINT="h:1")[0]["rdzv_id"] == "elastic-mnist"
     assert options["max_restarts"] == "3"
     assert options["monitor_interval"] == "0.5"
     assert conf_of(options) == MEASURED_CONF
@@ -143,6 +146,19 @@ def test_node_sh_single_node_defaults():
 def test_node_sh_who_hosts_the_store(env, is_host):
     options, _ = planned(NNODES="1:2", RDZV_ENDPOINT="127.0.0.1:29400", **env)
     assert conf_of(options) == {**MEASURED_CONF, "is_host": is_host}
+
+
+def test_node_sh_derives_a_port_of_the_job_when_the_endpoint_names_a_host_alone():
+    ports = {}
+    for run_id in ("4242", "5242", "4243", "job-a", "job-b"):
+        options, _ = planned(NNODES="2:4", RDZV_ENDPOINT="head", RUN_ID=run_id)
+        host, port = options["rdzv_endpoint"].split(":")
+        assert host == "head" and 29400 <= int(port) < 30400
+        assert planned(NNODES="2:4", RDZV_ENDPOINT="head", RUN_ID=run_id)[0] == options  # alike
+        ports[run_id] = int(port)
+    assert ports["4242"] == ports["5242"] == 29642 and ports["4243"] == 29643
+    assert ports["job-a"] != ports["job-b"]
+    assert planned(NNODES="2", RDZV_ENDPOINT="head:1234")[0]["rdzv_endpoint"] == "head:1234"
 
 
 def test_node_sh_timing_overrides():
@@ -219,6 +235,65 @@ def test_node_sh_falls_back_to_python_module():
     launch_of(done.stdout.splitlines(), launcher=["python", "-m", "torch.distributed.run"])
 
 
+# Stands in for torchrun under jobs/local.sh: one worker in a session of its own (as torchrun
+# starts them) that exits 0 on SIGINT; records the signals the agent itself got, the worker's
+# status and its own arguments in $FAKE_TORCHRUN_OUT, and exits with the worker's status.
+FAKE_AGENT = """\
+import json, os, signal, subprocess, sys
+
+got = []
+for sig in (signal.SIGINT, signal.SIGTERM):
+    signal.signal(sig, lambda signum, frame: got.append(signal.Signals(signum).name))
+worker = subprocess.Popen([sys.executable, "-c", os.environ["FAKE_WORKER"]],
+                          start_new_session=True)
+status = worker.wait()
+with open(os.environ["FAKE_TORCHRUN_OUT"], "w") as f:
+    json.dump({"agent_signals": got, "worker_status": status, "argv": sys.argv[1:]}, f)
+sys.exit(status)
+"""
+FAKE_WORKER = """\
+import os, signal, sys, time
+signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(0))
+open(os.environ["FAKE_READY"], "w").close()
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize(("interrupt_status", "expected"), [(None, 130), ("0", 0)])
+def test_local_sh_answers_ctrl_c_through_the_workers_not_torchrun(tmp_path, interrupt_status,
+                                                                 expected):
+    """A terminal's SIGINT to the process group reaches jobs/local.sh, which asks the workers to
+    stop; torchrun, in a process group of its own, gets nothing (its own answer would be a
+    traceback). The script then ends with INTERRUPT_STATUS (130; make train gives 0)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f"#!{sys.executable}\n{FAKE_AGENT}")
+    (bin_dir / "torchrun").chmod(0o755)
+    env = node_env(PATH=f"{bin_dir}{os.pathsep}/usr/bin{os.pathsep}/bin",
+                   FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_WORKER=FAKE_WORKER,
+                   FAKE_READY=str(tmp_path / "ready"))
+    if interrupt_status is not None:
+        env["INTERRUPT_STATUS"] = interrupt_status
+    proc = subprocess.Popen(["bash", str(JOBS / "local.sh"), "--epochs", "3"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not (tmp_path / "ready").exists():
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+            time.sleep(0.05)
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert proc.returncode == expected, out
+    record = json.loads((tmp_path / "rec").read_text())
+    assert record["agent_signals"] == [] and record["worker_status"] == 0, record
+    train = record["argv"][record["argv"].index("train") + 1:]
+    assert train == ["--resume-command", f"{JOBS / 'local.sh'} --epochs 3", "--epochs", "3"]
+
+
 @pytest.mark.parametrize("script", sorted([*JOBS.glob("*.sh"), *JOBS.glob("*.sbatch")]),
                          ids=lambda p: p.name)
 def test_shell_scripts_parse(script):
@@ -255,7 +330,7 @@ def test_sbatch_runs_node_sh_with_the_head_node_as_endpoint():
     text = SBATCH.read_text().replace("\\\n", " ")
     assert re.search(r'^nodes=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST"\)$', text,
                      re.MULTILINE)
-    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:29400\b", text, re.MULTILINE)
+    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:\$port\b", text, re.MULTILINE)
     assert re.search(r"^export .*RUN_ID=\$SLURM_JOB_ID\b", text, re.MULTILINE)
     srun = re.search(r"^srun .*$", text, re.MULTILINE)
     assert srun and " jobs/node.sh " in srun.group(0)
@@ -306,13 +381,13 @@ def slurm(tmp_path):
     fake = tmp_path / "fake_torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
 
-    def start(launcher_exit: str) -> subprocess.Popen:
+    def start(launcher_exit: str, job_id: str = "42") -> subprocess.Popen:
         env = node_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
                        TORCHRUN=f"{sys.executable} {fake}", NPROC_PER_NODE="8",
                        FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_TORCHRUN_EXIT=launcher_exit,
                        FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
                        FAKE_SLURM_TASKS=str(tmp_path / "tasks"), SHARED=str(tmp_path / "shared"),
-                       SLURM_JOB_ID="42", SLURM_JOB_NODELIST="node-[a-d]",
+                       SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node-[a-d]",
                        SLURM_JOB_NUM_NODES="4", SLURM_SUBMIT_DIR=str(REPO),
                        RDZV_PRECHECK="0")  # there is no node-a to answer
         return subprocess.Popen(["bash", str(SBATCH), "--epochs", "3"], cwd=tmp_path, env=env,
@@ -345,13 +420,29 @@ def test_sbatch_launches_every_node_alike(slurm, tmp_path):
     assert proc.returncode == 0, out
     options, train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
     assert options["nnodes"] == "4"
-    assert options["rdzv_endpoint"] == "node-a:29400"
+    assert options["rdzv_endpoint"] == "node-a:29442"  # 29400 + the job id (mod 1000)
+    assert "job 42: rendezvous at node-a:29442" in out
     assert options["rdzv_id"] == "42"
     shared = tmp_path / "shared"
     assert train == ["--data-dir", f"{shared}/data", "--checkpoint-dir", f"{shared}/checkpoints",
                      "--logdir", f"{shared}/runs", "--epochs", "3"]
     assert (shared / "checkpoints").is_dir()
     assert slurm_calls(tmp_path) == []
+
+
+def test_sbatch_gives_jobs_that_share_a_first_node_their_own_rendezvous_ports(slurm, tmp_path):
+    """Two jobs whose first nodes are this machine: ports derived from their ids, and one that is
+    taken here (by another job's store, say) is passed over."""
+    endpoints = []
+    with socket.create_server(("0.0.0.0", 29400 + 1043 % 1000)):  # taken: 29443
+        for job_id in ("1042", "1043"):
+            (tmp_path / "rec").unlink(missing_ok=True)
+            proc = slurm("0", job_id=job_id)
+            out, _ = proc.communicate(timeout=30)
+            assert proc.returncode == 0, out
+            endpoints.append(launch_of(launched(tmp_path, proc)["argv"], launcher=[])[0]
+                             ["rdzv_endpoint"])
+    assert endpoints == ["node-a:29442", "node-a:29444"]
 
 
 def test_sbatch_stops_the_workers_gracefully_and_requeues(slurm, tmp_path):
@@ -561,7 +652,8 @@ def store_process():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+)\n", line)
+        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+) \(127\.0\.0\.1\)\n",
+                             line)
         assert found, line + proc.stdout.read()
         yield proc, int(found.group(1))
     finally:

@@ -30,10 +30,10 @@ def test_bar_shows_epoch_step_loss_rate_world_and_eta_from_the_resumed_step():
     assert "30/100" in segments(terminal.getvalue())[0]  # a resumed launch starts where it was
     for step in (32, 34):
         time.sleep(0.12)  # tqdm redraws at most every 0.1 s
-        bar.update(2, step, 100, 0.25, 1234.0)
+        bar.update("2/4", step, 100, 0.25, 1234.0)  # as the trainer labels the epoch
     bar.close()
     last = segments(terminal.getvalue())[-1]
-    for part in ("epoch 2", "34/100", "loss 0.2500", "1,234 samples/s", "world 3"):
+    for part in ("epoch 2/4", "34/100", "loss 0.2500", "1,234 samples/s", "world 3"):
         assert part in last, last
     assert re.search(r"\d\d:\d\d<\d\d:\d\d", last), last  # elapsed < ETA, both known
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
@@ -43,7 +45,7 @@ def test_two_workers_train_checkpoint_log_and_resume(tiny_digits, reference_run,
     more = run(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "5",
                                          "--run-id", "reference", "--keep-last", "3")))
     assert more.returncode == 0, more.stdout
-    assert "resumed from" in more.stdout and f"step {STEPS}, epoch 4" in more.stdout
+    assert f"step-{STEPS:08d}.pt: step {STEPS}, 0 of 640 samples into epoch 5/5" in more.stdout
     assert [c["step"] for c in inspect(tmp_path / "ckpt")["checkpoints"]] == [50, 40, 39]
     logged = scalars(tmp_path / "runs" / "reference")
     assert [s for s, _ in logged["test/accuracy"]] == [10, 20, 30, 40, 50]
@@ -68,6 +70,29 @@ def test_make_train_line_runs_via_jobs_local(tiny_digits, tmp_path):
     assert done.returncode == 0, done.stdout
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in done.stdout  # set: nothing to warn about
     assert inspect(tmp_path / "ckpt")["checkpoints"][0]["step"] == 3
+
+
+def test_ctrl_c_on_make_train_ends_with_one_line_and_a_checkpoint(interrupted_make_train):
+    """SIGINT to make's process group, as a terminal sends it: within 10 s the job has stopped at
+    one step with its checkpoint, and the last line says where, that it is saved and what resumes
+    it; no traceback, no error line of make's; make itself ends by the SIGINT it got."""
+    run_ = interrupted_make_train
+    ckpt = run_.work / "ckpt"
+    print(f"make train: SIGINT -> make ended {run_.seconds_to_exit:.1f} s")
+    assert run_.status == -signal.SIGINT, run_.log
+    assert run_.seconds_to_exit < 10, run_.seconds_to_exit
+    assert "Traceback" not in run_.log and "make: ***" not in run_.log, run_.log
+    stops = [line for line in run_.log.splitlines() if "stopped at step" in line]
+    assert len(stops) == 1 and run_.log.rstrip().endswith(stops[0]), run_.log  # one, the last
+    found = re.search(r"\[rank 0\] WARNING stopped at step (\d+) after Ctrl-C; checkpoint saved: "
+                      r"(\S+); resume with: make train (.*)$", stops[0])
+    assert found, stops[0]
+    step = int(found.group(1))
+    assert found.group(2) == str(ckpt / f"step-{step:08d}.pt")
+    assert f"CHECKPOINT_DIR={ckpt}" in found.group(3) and "TRAIN_ARGS=" in found.group(3)
+    newest_checkpoint = inspect(ckpt)["checkpoints"][0]
+    assert newest_checkpoint["step"] == step >= 2 and newest_checkpoint["valid"]
+    assert not (ckpt / "lease.json").exists()  # the folder is free for the resume
 
 
 def test_synthetic_fallback_is_loud_and_recorded(tiny_digits, tmp_path):

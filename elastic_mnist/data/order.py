@@ -58,6 +58,15 @@ class SampleOrder:
         return list(torch.split(batch, self.micro_batch_size))
 
 
+def epoch_number(step: int, epoch: int, cursor: int) -> int:
+    """The epoch of ``step``, counted from 1, as everything said about progress counts it (logs,
+    the progress bar, events.jsonl, TensorBoard): a step belongs to the epoch whose samples it
+    used. ``epoch`` and ``cursor`` are where the data stands after that step: the 0-based index of
+    the epoch the next step trains in (as the sample order and checkpoints count), and how many
+    of its samples are used. Before any step: the first epoch."""
+    return epoch + (cursor > 0) if step else 1
+
+
 def share(micro_batches: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
     """The micro-batches that ``rank`` computes: every ``world_size``-th, starting at ``rank``."""
     return micro_batches[rank::world_size]
