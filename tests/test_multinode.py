@@ -74,7 +74,8 @@ def test_survivors_of_a_frozen_node_go_on_in_process_as_a_restart_would(tmp_path
             for arg in json.loads((work / "train_args.json").read_text())]
     done = run(torchrun_cmd(2, "train", *args))
     assert done.returncode == 0, done.stdout
-    assert f"step {shrink['step']}, epoch" in done.stdout
+    assert f"resumed from {again / 'ckpt'}/step-{shrink['step']:08d}.pt: step {shrink['step']}," \
+        in done.stdout
     ours, theirs = newest(work / "shared" / "ckpt"), newest(again / "ckpt")
     assert ours["step"] == theirs["step"] == 40
     assert ours["model_digest"] == theirs["model_digest"]
