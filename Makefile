@@ -30,11 +30,15 @@ train: $(STAMP)
 		exec jobs/local.sh --data-dir $(DATA_DIR) --synthetic-fallback \
 		--checkpoint-dir $(CHECKPOINT_DIR) --logdir $(LOGDIR) $(TRAIN_ARGS)
 
+# The suite in TEST_WORKERS processes (pytest-xdist): most multi-process tests spend much of
+# their time waiting (for a deadline, a rendezvous, a signal's effect), so two share two cores
+# well; the readers of each shared run go to one of them (tests/conftest.py).
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 # make tensorboard listens on localhost (the logs hold command lines and paths); HOST=0.0.0.0
 # opens it to the network. Taken from make's command line only, never from a shell's own HOST.

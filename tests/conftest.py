@@ -12,15 +12,21 @@ pytest_plugins = ["shared_runs"]  # the expensive runs, launched once and shared
 REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
 
 
+SHARED_RUNS = {"reference_run", "killed_run", "resized_run"}
+"""shared_runs.py's session fixtures: the tests that read them run in one process, so that each
+run is launched once, however many processes the suite runs in (pytest -n)."""
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``cuda`` run where a CUDA GPU is visible and are skipped elsewhere."""
+    """Tests marked ``cuda`` run where a CUDA GPU is visible and are skipped elsewhere; the
+    readers of a shared run go to one worker of the suite."""
     import torch
 
-    if torch.cuda.is_available():
-        return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if item.get_closest_marker("cuda") is not None:
+        if SHARED_RUNS & set(item.fixturenames):
+            item.add_marker(pytest.mark.xdist_group("shared_runs"))
+        if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(skip)
 
 
