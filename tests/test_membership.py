@@ -11,6 +11,7 @@ import pickle
 import threading
 import time
 
+import psutil
 import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
@@ -108,6 +109,31 @@ def test_a_declared_fault_fails_every_pending_and_later_wait(members):
         mine.guard(torch.futures.Future())
     pending.set_result([torch.ones(1)])  # the abandoned collective ending later changes nothing
     assert isinstance(fault, Fault) and fault.suspects == [1]
+
+
+def connections_to(port: int) -> int:
+    """This process's open connections to ``port``: the clients' ends."""
+    return sum(1 for c in psutil.Process().net_connections("tcp")
+               if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED)
+
+
+def test_a_recovery_opens_no_connection_to_the_coordination_store(store, members):
+    """torch's TCPStore server resolves each new client's address to a name inside its event
+    loop, so a new connection can stall every client of the store for the resolver's timeout:
+    the next generation's connections are opened before a fault, and its successor's only once
+    it has completed a step."""
+    member = members()
+    member._next_connections.result(timeout=10)  # opened in the background at start
+    before = connections_to(store.port)
+    taken = member._take_connections()  # what a recovery does
+    assert connections_to(store.port) == before
+    assert len({id(taken.watch), id(taken.group), id(taken.watchdog)}) == 3
+    member.recovered()  # the new generation's first step: its successor's connections
+    member._next_connections.result(timeout=10)
+    assert connections_to(store.port) == before + 3
+    # A change before the last one's first step opens its connections then, and never reuses.
+    opened_ahead, again = member._take_connections(), member._take_connections()
+    assert again is not opened_ahead and connections_to(store.port) == before + 6
 
 
 def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
