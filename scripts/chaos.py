@@ -411,6 +411,14 @@ def table(faults: list[Fault]) -> str:
     return "\n".join(rows)
 
 
+def update_readme(section: str, text: str, readme: Path = REPO / "README.md") -> None:
+    """``text`` between the README's ``<!-- section:begin -->`` and ``<!-- section:end -->``."""
+    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
+    head, rest = readme.read_text().split(begin)
+    _, tail = rest.split(end)
+    readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes at most (3)")
@@ -448,9 +456,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--keep-last", type=int, default=3, help="the job's --keep-last (3)")
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the faults and their timings to this file")
+    parser.add_argument("--readme-section", default=None, metavar="NAME",
+                        help="on a PASS, write the timings into the README between its "
+                             "<!-- NAME:begin --> and <!-- NAME:end --> markers")
     args = parser.parse_args(argv)
     if not 1 <= args.start_nodes <= args.nodes:
         parser.error("--start-nodes must be between 1 and --nodes")
+    if args.readme_section and f"<!-- {args.readme_section}:begin -->" not in (
+            REPO / "README.md").read_text():
+        parser.error(f"the README has no <!-- {args.readme_section}:begin --> marker")
 
     rng = random.Random(args.seed)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
@@ -571,11 +585,17 @@ def main(argv: list[str] | None = None) -> int:
     if restarted:
         failures.append(f"recovered by a restart, not in process: {restarted}")
 
-    print(table([f for f in faults if f.at]))
+    summary = [table([f for f in faults if f.at])]
+    if first_step:
+        summary.append(f"First step, at world size {first_step['world_size']}: "
+                       f"{first_step['time'] - started:.1f} s after the nodes started.")
     if exits:
-        print("chaos: last step → torchrun's exit: " + ", ".join(
+        summary.append("Last step → torchrun's exit: " + ", ".join(
             f"node {node} {'did not exit' if s is None else f'{s:.1f} s'}"
-            for node, s in exits.items()))
+            for node, s in exits.items()) + ".")
+    print("\n".join(summary))
+    if args.readme_section and not failures:
+        update_readme(args.readme_section, "\n\n".join(summary))
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,

@@ -6,9 +6,13 @@
 Each scenario is a chaos run (scripts/chaos.py) on loopback with one fault at step 40 of 160; the
 job runs with ``--recovery in-process`` and with ``--recovery restart`` in turn, alternating, each
 REPEATS times. Measured from the fault to the first optimizer step the survivors complete after
-it (from the run's audit records), with the steps redone; medians with min and max. Writes
+it (from the run's audit records), with the steps redone, and, in process, the seconds from the
+job's last step to the exit of the last surviving node's torchrun; medians with min and max. Writes
 bench/recovery.json and, with --update-readme, the table between the README's
-``<!-- recovery:begin -->`` and ``<!-- recovery:end -->`` markers.
+``<!-- recovery:begin -->`` and ``<!-- recovery:end -->`` markers. ``--only`` measures some
+scenarios again and keeps the others' runs from bench/recovery.json (when they were measured as
+many times, on a machine of the same kind and cores). ``kill-32`` alone takes about 20 minutes
+on 2 cores, the others 3 to 5 minutes each.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import platform
 import statistics
 import sys
 import tempfile
+import textwrap
 from pathlib import Path
 
 import chaos
@@ -41,6 +46,10 @@ SCENARIOS = {
     "sigstop": ("3 nodes × 1 worker, a worker SIGSTOPped alone on its node, jobs/node.sh",
                 ["--store", "external", "--nodes", "3", "--start-nodes", "3",
                  "--schedule", "40:hang-worker:2"], HANG_TIMEOUT + 3),
+    "kill-32": ("4 nodes × 8 workers (`make chaos32`'s shape), a node SIGKILLed: 32 → 24",
+                ["--store", "agent", "--nodes", "4", "--start-nodes", "4",
+                 "--nproc-per-node", "8", "--global-batch-size", "512",
+                 "--schedule", "40:kill-node:3", "--timeout", "900"], 5.0),
 }
 """name: (what, chaos flags, target seconds in process)."""
 MODES = ("in-process", "restart")
@@ -52,8 +61,23 @@ def measure(flags: list[str], mode: str, workdir: Path) -> dict:
                          "--workdir", str(workdir), "--json", str(out)])
     if status != 0:
         raise SystemExit(f"recovery: the chaos run in {workdir} failed")
-    (fault,) = json.loads(out.read_text())["faults"]
-    return fault
+    report = json.loads(out.read_text())
+    (fault,) = report["faults"]
+    exits = report["exit_after_last_step_s"].values()
+    return {**fault, "exit_after_last_step_s": None if None in exits else max(exits, default=None)}
+
+
+def earlier_runs(path: Path, repeats: int) -> dict[str, dict[str, list[dict]]]:
+    """The scenarios an earlier run of this script measured as often, on this kind of machine:
+    ``--only`` remeasures some rows and keeps the others."""
+    try:
+        earlier = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    same = (earlier.get("repeats"), earlier.get("machine"), earlier.get("cores")) == (
+        repeats, platform.machine(), len(os.sched_getaffinity(0)))
+    return {name: runs for name, runs in earlier.get("runs", {}).items()
+            if same and name in SCENARIOS}
 
 
 def cell(values: list[float]) -> str:
@@ -62,8 +86,8 @@ def cell(values: list[float]) -> str:
 
 def render(results: dict[str, dict[str, list[dict]]]) -> str:
     rows = [("| fault | in process (s) | steps redone | by a restart (s) | steps redone | "
-             "target in process (s) |"),
-            "| --- | ---: | ---: | ---: | ---: | ---: |"]
+             "target in process (s) | in process, last step → every torchrun's exit (s) |"),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for name, by_mode in results.items():
         what, _, target = SCENARIOS[name]
         cells = []
@@ -71,21 +95,19 @@ def render(results: dict[str, dict[str, list[dict]]]) -> str:
             runs = by_mode[mode]
             cells += [cell([r["first_step_s"] for r in runs]),
                       "–".join(sorted({str(r["steps_redone"]) for r in runs}))]
-        rows.append(f"| {what} | {' | '.join(cells)} | ≤ {target:g} |")
+        exits = [r["exit_after_last_step_s"] for r in by_mode["in-process"]]
+        rows.append(f"| {what} | {' | '.join(cells)} | ≤ {target:g} | "
+                    f"{'a node did not exit' if None in exits else cell(exits)} |")
     return "\n".join(rows)
 
 
 def update_readme(table: str, repeats: int) -> None:
-    readme = REPO / "README.md"
-    text = readme.read_text()
-    begin, end = "<!-- recovery:begin -->", "<!-- recovery:end -->"
-    head, rest = text.split(begin)
-    _, tail = rest.split(end)
-    body = (f"\n{table}\n\nSeconds from the fault to the survivors' first completed step, median "
-            f"(min–max) of {repeats} runs of each, the two modes alternating, on "
-            f"{platform.machine()} with {len(os.sched_getaffinity(0))} cores, from "
-            f"`bench/recovery.json`; reproduce with `scripts/recovery.py --update-readme`.\n")
-    readme.write_text(head + begin + body + end + tail)
+    note = textwrap.fill(
+        f"Seconds from the fault to the survivors' first completed step, median (min–max) of "
+        f"{repeats} runs of each, the two modes alternating, on {platform.machine()} with "
+        f"{len(os.sched_getaffinity(0))} cores, from `bench/recovery.json`; reproduce with "
+        f"`scripts/recovery.py --update-readme`.", width=99)
+    chaos.update_readme("recovery", f"{table}\n\n{note}", REPO / "README.md")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:
         parser.error(f"unknown scenarios {unknown}; choose from {', '.join(SCENARIOS)}")
+    out = REPO / "bench" / "recovery.json"
     results = {name: {mode: [] for mode in MODES} for name in names}
     root = Path(tempfile.mkdtemp(prefix="recovery-"))
     for repeat in range(args.repeats):
@@ -109,12 +132,13 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][mode].append(fault)
                 print(f"recovery: {name} {mode}: first step {fault['first_step_s']:.1f} s after "
                       f"the fault ({fault['recovery']})", flush=True)
-    table = render(results)
+    runs = {**earlier_runs(out, args.repeats), **results}
+    runs = {name: runs[name] for name in SCENARIOS if name in runs}
+    table = render(runs)
     print(table)
-    out = REPO / "bench" / "recovery.json"
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps({"machine": platform.machine(), "cores": len(os.sched_getaffinity(0)),
-                               "repeats": args.repeats, "runs": results}, indent=2))
+                               "repeats": args.repeats, "runs": runs}, indent=2) + "\n")
     if args.update_readme:
         update_readme(table, args.repeats)
     return 0

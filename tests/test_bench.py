@@ -187,3 +187,48 @@ def test_the_compiled_contenders_with_and_without_accumulation(tmp_path, monkeyp
         "default"
     table = bench.table(results_with(fast_accumulating_samples_per_s=5000.0))
     assert "| GPU fast path, 4 micro-batches per step (compiled without CUDA graphs) |" in table
+
+
+def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, monkeypatch):
+    """scripts/recovery.py --only: the chaos runs of the scenarios named (faked here), the rows of
+    the others as measured before, in the scenarios' order, into bench/recovery.json and the
+    README's table."""
+    import os
+    import platform
+
+    import recovery
+
+    def fault(first_step_s, redone, exit_s=1.5):
+        return {"kind": "kill-node", "recovery": "in-process", "first_step_s": first_step_s,
+                "steps_redone": redone, "exit_after_last_step_s": exit_s}
+
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "recovery.json").write_text(json.dumps({
+        "machine": platform.machine(), "cores": len(os.sched_getaffinity(0)), "repeats": 1,
+        "runs": {"sigterm": {"in-process": [fault(1.2, 0)], "restart": [fault(9.0, 10)]}}}))
+    (tmp_path / "README.md").write_text("a\n<!-- recovery:begin -->\nold\n<!-- recovery:end -->\nb\n")
+    measured = []
+
+    def measure(flags, mode, workdir):
+        measured.append((flags, mode))
+        return fault(0.7 if mode == "in-process" else 8.7, 0 if mode == "in-process" else 10,
+                     None if mode == "restart" else 0.9)
+
+    monkeypatch.setattr(recovery, "REPO", tmp_path)
+    monkeypatch.setattr(recovery, "measure", measure)
+    assert recovery.main(["--only", "kill-torchrun", "--repeats", "1", "--update-readme"]) == 0
+    assert [mode for _, mode in measured] == ["in-process", "restart"]
+    assert measured[0][0] == recovery.SCENARIOS["kill-torchrun"][1]
+    runs = json.loads((tmp_path / "bench" / "recovery.json").read_text())["runs"]
+    assert list(runs) == ["kill-torchrun", "sigterm"]
+    readme = (tmp_path / "README.md").read_text()
+    assert readme.startswith("a\n<!-- recovery:begin -->\n|") and readme.endswith("end -->\nb\n")
+    assert "old" not in readme
+    rows = [line for line in readme.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1] == ("| 2 nodes × 2 workers, a node SIGKILLed, plain torchrun | 0.7 (0.7–0.7) "
+                       "| 0 | 8.7 (8.7–8.7) | 10 | ≤ 2 | 0.9 (0.9–0.9) |")
+    assert rows[2].startswith("| 2 nodes × 2 workers, a node's agent SIGTERMed, jobs/node.sh "
+                              "| 1.2 (1.2–1.2) | 0 | 9.0 (9.0–9.0) | 10 | ≤ 2 |")
+
+    # Runs measured another number of times are measured again, not mixed in.
+    assert recovery.earlier_runs(tmp_path / "bench" / "recovery.json", repeats=3) == {}
