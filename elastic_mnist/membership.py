@@ -19,12 +19,15 @@ go on by themselves, without a process start, a new CUDA context or a checkpoint
    0 while it lives) and build a new process group on a fresh prefix of the coordination store:
    a new *generation*. The trainer then takes one agreed state (see ``Trainer.adopt``).
 
-A recovery opens no connection to the coordination store: each generation's own (its watcher's,
-its process group's, its watchdog's) were opened in the background while the one before it
-trained. torch's TCPStore server resolves every new client's address to a name inside its one
-event loop (``LibUVStoreDaemon::onConnect``), and where the resolver does not answer at once
-every client of the store waits, up to the resolver's timeout (5 s): 24 survivors of 32 opening
-theirs during a recovery took 11.6 to 11.9 s to their first step, 1.6 s with them opened ahead.
+A recovery opens no connection to the coordination store: each process opens its few at start
+and every generation reuses them. torch's TCPStore server resolves every new client's address to
+a name inside its one event loop (``LibUVStoreDaemon::onConnect``), and where the resolver does
+not answer at once every client of the store waits, up to the resolver's timeout (5 s): 24
+survivors of 32 opening theirs during a recovery took 11.6 to 11.9 s to their first step, 1.7 s
+without. Such a stall also holds up the agents' keep-alives; if every agent's lapses, torch's
+rendezvous starts a new round without them, and a joining node trains alone in it beside the
+job. So every rank watches the round: one that moved on while this process still trains means
+its agent was dropped (see :meth:`Membership._guard_round`).
 
 The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
 on the agent's command line): it outlives any node but its own host, and every node when it is
@@ -39,7 +42,6 @@ leave, and torchrun restarts the job from its last checkpoint: the worst case is
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime
@@ -51,9 +53,7 @@ import pickle
 import platform
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from functools import partial
 from typing import Any
 
 import torch
@@ -65,6 +65,9 @@ from elastic_mnist.env import DistEnv
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_mnist"
+ROUND_CHECK_S = 2.0
+"""How often each rank reads the rendezvous round (:meth:`Membership._guard_round`): well within
+the seconds a node that starts a round alone takes to its first checkpoint."""
 SETTLE_S = 0.5
 """After a fault, how long check-ins must have been quiet before the membership closes without
 the ranks that have not come: the dead never do, and a live rank comes within milliseconds."""
@@ -145,32 +148,21 @@ class Change:
 
 @dataclass(frozen=True)
 class Connections:
-    """A generation's own connections to the coordination store."""
+    """A process's connections to the coordination store besides its main one, opened at start
+    and used by every generation in turn."""
 
+    declare: dist.Store
+    """Declarations, from the training thread and the watchdog's; and the round's guard."""
     watch: dist.Store
-    """Its watcher thread's, which waits to be woken."""
+    """The watcher thread's, which waits to be woken."""
     group: dist.Store
-    """Its process group's: gloo's rendezvous."""
+    """The process group's: gloo's rendezvous."""
     watchdog: dist.Store
-    """Its watchdog's: heartbeats, and the verdict on a hang."""
+    """The watchdog's: heartbeats, and the verdict on a hang."""
 
     @classmethod
     def open(cls, store: dist.Store) -> Connections:
-        return cls(store.clone(), store.clone(), store.clone())
-
-
-def in_background(fn: Callable[[], Any]) -> concurrent.futures.Future:
-    """``fn()`` in a daemon thread of its own (nothing waits for it at the process's end)."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn())
-        except Exception as e:  # noqa: BLE001 - handed to whoever takes the result
-            future.set_exception(e)
-
-    threading.Thread(target=run, daemon=True, name="membership-connect").start()
-    return future
+        return cls(*(store.clone() for _ in dataclasses.fields(cls)))
 
 
 class NullMembership:
@@ -233,14 +225,17 @@ class Membership(NullMembership):
         self._lock = threading.RLock()
         self._pending: set[torch.futures.Future] = set()
         self._declaring = threading.Lock()
-        self._declare_store = store.clone()  # the watchdog's thread declares too
         self._deadline: threading.Timer | None = None
         self._closed = False
         self._connections = Connections.open(store)
-        self._next_connections: concurrent.futures.Future | None = in_background(
-            partial(Connections.open, store))
-        """The next generation's connections, opened ahead: a recovery opens none."""
+        self._watcher: threading.Thread | None = None
+        self.round = (rendezvous_round(self.store, env.rendezvous.run_id)
+                      if env.rendezvous is not None else None)
+        """The rendezvous round this process's agent is in: see :meth:`_guard_round`."""
         self._start_generation()
+        if self.round is not None:
+            threading.Thread(target=self._guard_round, daemon=True,
+                             name="membership-round").start()
 
     # --- the generation's keys --------------------------------------------------------------------
 
@@ -253,9 +248,16 @@ class Membership(NullMembership):
 
     def _start_generation(self) -> None:
         self.store.set(self._key(f"id/{self.env.rank}"), json.dumps(asdict(self.identity)))
-        threading.Thread(target=self._watch, daemon=True,
-                         args=(self.generation, self.env.rank, self._connections.watch),
-                         name=f"membership-watch-g{self.generation}").start()
+        # The last generation's watcher was woken by the fault's declaration and is done: its
+        # connection is free (a new one only if it still waits, for a store that stalls).
+        if self._watcher is not None:
+            self._watcher.join(timeout=2)
+        store = (self._connections.watch if self._watcher is None or not self._watcher.is_alive()
+                 else self.store.clone())
+        self._watcher = threading.Thread(target=self._watch, daemon=True,
+                                         args=(self.generation, self.env.rank, store),
+                                         name=f"membership-watch-g{self.generation}")
+        self._watcher.start()
 
     def _watch(self, generation: int, rank: int, store: dist.Store) -> None:
         """Waits to be woken (by a declaration, or by :meth:`close`); then, for a declared fault,
@@ -327,12 +329,13 @@ class Membership(NullMembership):
         """This rank's verdict, unless another rank's came first: the generation's one fault."""
         fault = Fault(why, sorted(suspects), self.env.rank, detail, time.time())
         value = json.dumps(asdict(fault))
+        store = self._connections.declare
         with self._declaring:
-            agreed = self._declare_store.compare_set(self._key("fault"), "", value)
+            agreed = store.compare_set(self._key("fault"), "", value)
             # Every rank that declares wakes every rank: one that dies between the two writes
             # leaves the waking to the others.
             wake = [self._key(f"wake/{r}") for r in range(self.env.world_size)]
-            self._declare_store.multi_set(wake, ["fault"] * len(wake))
+            store.multi_set(wake, ["fault"] * len(wake))
         return Fault(**json.loads(agreed))
 
     # --- recovery ---------------------------------------------------------------------------------
@@ -361,7 +364,6 @@ class Membership(NullMembership):
             identities = self._identities()
             positions = [Position(**json.loads(value)) for value in self.store.multi_get(
                 [self._key(f"in/{r}") for r in members])]
-            connections = self._take_connections()
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
             raise CannotRecover(f"the coordination store does not answer: {_first_line(e)}") \
                 from None
@@ -376,14 +378,8 @@ class Membership(NullMembership):
                         steps_redone=int(any(p.mid_step and p.step == step for p in positions)),
                         evaluated_step=positions[0].evaluated_step, detected=detected,
                         detected_at=detected_at)
-        self._next_generation(change, identities, members, connections)
+        self._next_generation(change, identities, members)
         return change
-
-    def _take_connections(self) -> Connections:
-        """The next generation's connections: those opened ahead (long done, as a rule), else
-        new ones (a change before the last one's first step)."""
-        future, self._next_connections = self._next_connections, None
-        return future.result() if future is not None else Connections.open(self.store)
 
     def _identities(self) -> dict[int, Identity]:
         """Every rank's identity as it published it; a rank lost before it could is unknown."""
@@ -395,9 +391,8 @@ class Membership(NullMembership):
         return found
 
     def _next_generation(self, change: Change, identities: dict[int, Identity],
-                         members: list[int], connections: Connections) -> None:
-        """Leaves the failed group to its threads and joins the survivors' new one, on the
-        connections opened for it."""
+                         members: list[int]) -> None:
+        """Leaves the failed group to its threads and joins the survivors' new one."""
         if dist.is_initialized():
             # gloo's threads may still wait in the old group (for a frozen peer, until its
             # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
@@ -406,11 +401,10 @@ class Membership(NullMembership):
         self.agents = {(identities[r].host, identities[r].agent) for r in members}
         with self._lock:
             self.faulted = self.broken = None
-        self._connections = connections
         self._start_generation()
         dist.init_process_group(
             backend=backend_for(self.device), timeout=self.pg_timeout,
-            store=dist.PrefixStore(self._key("pg"), connections.group), rank=self.env.rank,
+            store=dist.PrefixStore(self._key("pg"), self._connections.group), rank=self.env.rank,
             world_size=self.env.world_size,
             device_id=self.device if self.device.type == "cuda" else None)
 
@@ -421,12 +415,35 @@ class Membership(NullMembership):
             self._deadline.start()
 
     def recovered(self) -> None:
-        """The new generation's first step is done: its successor's connections are opened now,
-        not while the survivors still need the store."""
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
-        self._next_connections = in_background(partial(Connections.open, self.store))
+
+    def _guard_round(self) -> None:
+        """Leaves at once when the rendezvous has moved on to a round without this process's
+        agent.
+
+        torch's rendezvous drops an agent whose keep-alives lapsed (a store that stalls, a
+        machine starved of CPU), and when it has dropped every agent of a round the next node
+        to come starts a new round alone and trains beside the job, into its folders, while
+        the dropped agents, who see no node waiting, leave their workers alone. Nothing else
+        moves the round while workers of the last one run: agents that restart their workers
+        leave the round only once those have exited, and a new round begins only when every
+        agent has left the last one. So a process that sees a newer round stops, writing
+        nothing more; its agent restarts it into the new round, which makes the agents there
+        restart theirs, and the job is one again, from its last checkpoint."""
+        read = RoundReader(self._connections.declare, self.env.rendezvous.run_id)
+        while not self._closed:
+            time.sleep(ROUND_CHECK_S)
+            try:
+                now = read()
+            except Exception:  # noqa: BLE001, S112 - the store stalls or went (torch's
+                continue  # rendezvous errors are no RuntimeError): the loop's own waits tell
+            if now != self.round and not self._closed:
+                log.error("the rendezvous moved on to round %d without this node's agent (in "
+                          "round %d; its keep-alives lapsed): leaving, so that torchrun "
+                          "restarts this node into the job", now, self.round)
+                end_process(EXIT_GAVE_UP)
 
     def _give_up(self) -> None:
         log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
@@ -445,6 +462,9 @@ class Membership(NullMembership):
         run_id = self.env.rendezvous.run_id
         try:
             round_ = rendezvous_round(self.store, run_id)
+            if round_ != self.round:
+                raise ValueError(f"the rendezvous is in round {round_}, this job's agents were "
+                                 f"in {self.round}")
             arrive_at_exit_barrier(self.store, run_id, round_, missing, self.launch_agents)
         except (RuntimeError, pickle.UnpicklingError, ValueError) as e:
             log.warning("could not release the agents of the nodes that are gone (%s): the "
@@ -506,15 +526,28 @@ class _StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-def rendezvous_round(store: dist.Store, run_id: str) -> int:
-    """The round of the c10d rendezvous ``run_id`` that its agents are in, read from the state
-    they keep in ``store`` (the raw store, no prefix)."""
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+class RoundReader:
+    """Reads the round of the c10d rendezvous ``run_id`` that its agents are in, from the state
+    they keep in ``store`` (the raw store, no prefix), as their own backend reads it."""
 
-    found = C10dRendezvousBackend(_unprefixed(store), run_id).get_state()
-    if found is None:
-        raise ValueError(f"no rendezvous state for {run_id}")
-    return _StateUnpickler(io.BytesIO(found[0])).load().round
+    def __init__(self, store: dist.Store, run_id: str):
+        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
+            C10dRendezvousBackend,
+        )
+
+        self.run_id = run_id
+        self._backend = C10dRendezvousBackend(_unprefixed(store), run_id)
+
+    def __call__(self) -> int:
+        found = self._backend.get_state()
+        if found is None:
+            raise ValueError(f"no rendezvous state for {self.run_id}")
+        return _StateUnpickler(io.BytesIO(found[0])).load().round
+
+
+def rendezvous_round(store: dist.Store, run_id: str) -> int:
+    """The round of the c10d rendezvous ``run_id`` that its agents are in."""
+    return RoundReader(store, run_id)()
 
 
 def arrive_at_exit_barrier(store: dist.Store, run_id: str, round_: int, count: int,

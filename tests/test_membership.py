@@ -120,20 +120,52 @@ def connections_to(port: int) -> int:
 def test_a_recovery_opens_no_connection_to_the_coordination_store(store, members):
     """torch's TCPStore server resolves each new client's address to a name inside its event
     loop, so a new connection can stall every client of the store for the resolver's timeout:
-    the next generation's connections are opened before a fault, and its successor's only once
-    it has completed a step."""
+    a process opens its connections at start, and every generation reuses them."""
     member = members()
-    member._next_connections.result(timeout=10)  # opened in the background at start
     before = connections_to(store.port)
-    taken = member._take_connections()  # what a recovery does
+    member.declare("died", [])  # wakes this rank's watcher: the generation is over
+    member.generation += 1  # a recovery's next generation: its watcher, its watchdog's store
+    member._start_generation()
+    member.generation_store().set("heartbeat", "1")
     assert connections_to(store.port) == before
-    assert len({id(taken.watch), id(taken.group), id(taken.watchdog)}) == 3
-    member.recovered()  # the new generation's first step: its successor's connections
-    member._next_connections.result(timeout=10)
-    assert connections_to(store.port) == before + 3
-    # A change before the last one's first step opens its connections then, and never reuses.
-    opened_ahead, again = member._take_connections(), member._take_connections()
-    assert again is not opened_ahead and connections_to(store.port) == before + 6
+    assert member._watcher.name == "membership-watch-g1" and member._watcher.is_alive()
+
+
+def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, caplog):
+    """Every agent of round 3 dropped (their keep-alives lapsed while the store stalled), a node
+    that came alone starts round 4 and trains in it: the workers of round 3 leave at once, in
+    one line, so that their agents restart them into the job."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+
+    from elastic_mnist import membership
+
+    backend = C10dRendezvousBackend(store, "job7")
+    state = _RendezvousState()
+    state.round = 3
+    backend.set_state(pickle.dumps(state))
+    left: list[int] = []
+    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(membership, "end_process", left.append)
+    env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
+        ["torchrun", "--nnodes=1:4", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400",
+         "--rdzv_id=job7", "-m", "elastic_mnist", "train"]))
+    member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
+                                                              store.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    try:
+        assert member.round == 3
+        time.sleep(0.5)
+        assert left == []  # the same round: the job goes on
+        state.round = 4
+        backend.set_state(pickle.dumps(state), backend.get_state()[1])
+        deadline = time.monotonic() + 10
+        while not left and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert left[0] == membership.EXIT_GAVE_UP
+        assert "the rendezvous moved on to round 4 without this node's agent" in caplog.text
+    finally:
+        member.close()
 
 
 def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
