@@ -396,6 +396,24 @@ def evaluate(checkpoint_dir: Path, env: dict[str, str]) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def one_job_failures(events: list[dict], faults: list[Fault]) -> list[str]:
+    """What says that two groups trained side by side: more than one finish, or a join after
+    which the job went on no larger (the new node started a round alone)."""
+    failures = []
+    finishes = [e for e in events if e["event"] == "finish"]
+    if len(finishes) > 1:
+        failures.append(f"the job finished {len(finishes)} times: groups trained side by side")
+    worlds = [(event_time(e), e["event"], e.get("world_size", e.get("new_world_size")))
+              for e in events if e["event"] in ("start", "shrink")]
+    for f in faults:
+        before = [w for t, _, w in worlds if t < f.at]
+        after = [w for t, kind, w in worlds if t > f.at and kind == "start"]  # the restart's
+        if f.kind == "join" and f.at and before and after and after[0] <= before[-1]:
+            failures.append(f"after the join at step {f.step} the job went on at world size "
+                            f"{after[0]}, not above its {before[-1]}")
+    return failures
+
+
 def table(faults: list[Fault]) -> str:
     def seconds(t: float | None, since: float) -> str:
         return "—" if t is None else f"{t - since:.1f}"
@@ -580,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
               if f.kind == "hang-worker" and f.at and not any(t > f.at for t in hangs)]
     if unseen:
         failures.append(f"no hang recorded in events.jsonl after the SIGSTOPs at steps {unseen}")
+    failures += one_job_failures(observer.events(), faults)
     restarted = [f.describe() for f in faults if f.at and f.expected == "in-process"
                  and (f.recovery != "in-process" or not f.survivors_kept)]
     if restarted:
