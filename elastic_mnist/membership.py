@@ -23,10 +23,10 @@ A recovery opens no connection to the coordination store: each process opens its
 and every generation reuses them. torch's TCPStore server resolves every new client's address to
 a name inside its one event loop (``LibUVStoreDaemon::onConnect``), and where the resolver does
 not answer at once every client of the store waits, up to the resolver's timeout (5 s): 24
-survivors of 32 opening theirs during a recovery took 11.6 to 11.9 s to their first step, 1.7 s
-without. Such a stall also holds up the agents' keep-alives; if every agent's lapses, torch's
-rendezvous starts a new round without them, and a joining node trains alone in it beside the
-job. So every rank watches the round: one that moved on while this process still trains means
+survivors of 32 opening theirs during a recovery took 11.6 to 11.9 s to their first step, 1.6 s
+without. The agents' keep-alives can lapse too (the store stalls, the host is starved of CPU); if
+every agent's lapses, torch's rendezvous starts a new round without them, and a joining node
+trains alone in it beside the job. So every rank watches the round: one that moved on while this process still trains means
 its agent was dropped (see :meth:`Membership._guard_round`).
 
 The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
