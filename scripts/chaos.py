@@ -66,6 +66,7 @@ IN_PROCESS_KINDS = ("kill-node", "preempt-node", "leave", "hang-worker")
 """Faults the survivors go on from in process (hang-worker only where the worker is alone on its
 node: with siblings, one of them kills it, and its agent restarts the node)."""
 REQUEUE_DELAY_S = 3.0
+ROUND_GUARD_LINE = "the rendezvous moved on to round"  # what a rank logs when it leaves for it
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
                      "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.1"}
@@ -554,7 +555,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
                 continue
             print(f"chaos: {fault.describe()} at step {fault.step}")
-            watch_recovery(fault, observer, timeout=120)
+            # Bounded by the job's deadline alone: a restart at 32 ranks on 2 cores takes up to
+            # two minutes (32 processes importing torch and meeting), and one more fault-sized
+            # cap would cut it short.
+            watch_recovery(fault, observer, timeout=deadline - time.time())
             if fault.kind == "hang-worker" and fault.recovery == "in-process":
                 cluster.frozen.add(fault.node)
             if fault.kind == "preempt-node":
@@ -612,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
         summary.append("Last step → torchrun's exit: " + ", ".join(
             f"node {node} {'did not exit' if s is None else f'{s:.1f} s'}"
             for node, s in exits.items()) + ".")
+    guarded = sum(log.read_text(errors="replace").count(ROUND_GUARD_LINE)
+                  for log in cluster.workdir.glob("node*.log"))
+    if guarded:
+        summary.append(f"The rendezvous dropped agents whose keep-alives lapsed and moved on "
+                       f"without them: {guarded} ranks saw it and left, to be restarted into the "
+                       "new round (`Membership._guard_round`).")
     print("\n".join(summary))
     if args.readme_section and not failures:
         update_readme(args.readme_section, "\n\n".join(summary))
