@@ -24,6 +24,14 @@ class Rendezvous:
     port: int
     run_id: str
     """``--rdzv_id``: the job's name at the store; its keys are kept apart by it."""
+    keep_alive_interval_s: float = 5.0
+    """``keep_alive_interval`` of ``--rdzv_conf``: how often each agent renews its place."""
+    keep_alive_max_attempt: int = 3
+    """``keep_alive_max_attempt`` of ``--rdzv_conf``: the renewals an agent may miss before the
+    rendezvous drops it."""
+    local_addr: str | None = None
+    """``--local_addr``: the name the agent goes by in the rendezvous (its host's fully qualified
+    name when None)."""
 
     @property
     def endpoint(self) -> str:
@@ -182,15 +190,21 @@ def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:
                   or (arg == "torch.distributed.run" and i > 0 and argv[i - 1] == "-m")), None)
     if start is None:
         return None
-    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
-    from torch.distributed.run import get_args_parser  # only under torchrun: torch is there
+    from torch.distributed.elastic.rendezvous.utils import (  # only under torchrun: torch is there
+        _parse_rendezvous_config,  # torchrun's own parser of --rdzv_conf
+        parse_rendezvous_endpoint,
+    )
+    from torch.distributed.run import get_args_parser
 
     try:
         args, _ = get_args_parser().parse_known_args(argv[start:])
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
+        conf = _parse_rendezvous_config(args.rdzv_conf)
+        keep_alive = (float(conf.get("keep_alive_interval") or 5),
+                      int(conf.get("keep_alive_max_attempt") or 3))
     except (SystemExit, ValueError):  # not a command line torchrun would take
         return None
     max_nodes = str(args.nnodes).rpartition(":")[2]
     if args.standalone or args.rdzv_backend != "c10d" or max_nodes == "1" or port == 0:
         return None
-    return Rendezvous(host, port, args.rdzv_id)
+    return Rendezvous(host, port, args.rdzv_id, *keep_alive, local_addr=args.local_addr)

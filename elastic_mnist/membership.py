@@ -24,10 +24,11 @@ and every generation reuses them. torch's TCPStore server resolves every new cli
 a name inside its one event loop (``LibUVStoreDaemon::onConnect``), and where the resolver does
 not answer at once every client of the store waits, up to the resolver's timeout (5 s): 24
 survivors of 32 opening theirs during a recovery took 11.6 to 11.9 s to their first step, 1.6 s
-without. The agents' keep-alives can lapse too (the store stalls, the host is starved of CPU); if
-every agent's lapses, torch's rendezvous starts a new round without them, and a joining node
-trains alone in it beside the job. So every rank watches the round: one that moved on while this process still trains means
-its agent was dropped (see :meth:`Membership._guard_round`).
+without. Such a stall also lapses the agents' keep-alives in the rendezvous, and torch's agent
+sends none once its own has lapsed: the workers renew them in their place. If every
+agent is dropped all the same, torch's rendezvous starts a new round without them, and a joining
+node trains alone in it beside the job; so every rank watches the round, and one that moved on
+while this process still trains means its agent was dropped (see :meth:`Membership._guard_round`).
 
 The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
 on the agent's command line): it outlives any node but its own host, and every node when it is
@@ -51,6 +52,7 @@ import logging
 import os
 import pickle
 import platform
+import socket
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -67,7 +69,8 @@ log = logging.getLogger(__name__)
 PREFIX = "elastic_mnist"
 ROUND_CHECK_S = 2.0
 """How often each rank reads the rendezvous round (:meth:`Membership._guard_round`): well within
-the seconds a node that starts a round alone takes to its first checkpoint."""
+the seconds a node that starts a round alone takes to its first checkpoint. A node's local rank
+0 reads it at least once per keep-alive interval of its agent, to renew a lapsing one."""
 SETTLE_S = 0.5
 """After a fault, how long check-ins must have been quiet before the membership closes without
 the ranks that have not come: the dead never do, and a live rank comes within milliseconds."""
@@ -96,6 +99,9 @@ class Identity:
     agent: int
     """The agent's pid: workers of one node share it."""
     local_rank: int
+    agent_addr: str = ""
+    """The agent's name in the rendezvous (``--local_addr``, else its host's fully qualified
+    name); empty without a multi-node rendezvous."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,9 @@ class Membership(NullMembership):
         self.bound_s = bound_s
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
-        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
+                                 agent_addr=(env.rendezvous.local_addr or socket.getfqdn())
+                                 if env.rendezvous is not None else "")
         self.agents = {(self.identity.host, self.identity.agent)}
         """The agents of the current generation's members."""
         self.faulted = None
@@ -420,30 +428,63 @@ class Membership(NullMembership):
             self._deadline = None
 
     def _guard_round(self) -> None:
-        """Leaves at once when the rendezvous has moved on to a round without this process's
-        agent.
+        """Keeps this process's agent in the rendezvous, and leaves at once when the rendezvous
+        has moved on to a round without it.
 
-        torch's rendezvous drops an agent whose keep-alives lapsed (a store that stalls, a
-        machine starved of CPU), and when it has dropped every agent of a round the next node
-        to come starts a new round alone and trains beside the job, into its folders, while
-        the dropped agents, who see no node waiting, leave their workers alone. Nothing else
-        moves the round while workers of the last one run: agents that restart their workers
-        leave the round only once those have exited, and a new round begins only when every
-        agent has left the last one. So a process that sees a newer round stops, writing
-        nothing more; its agent restarts it into the new round, which makes the agents there
-        restart theirs, and the job is one again, from its last checkpoint."""
-        read = RoundReader(self._connections.declare, self.env.rendezvous.run_id)
+        torch's rendezvous drops an agent whose keep-alives lapsed, and torch's agent stops
+        sending them for good once its own has lapsed in the store (a store that stalls, a
+        machine starved of CPU; see :meth:`RendezvousReader.renew`). So each node's local rank
+        0, while its agent lives, renews the keep-alives of every agent of the generation's
+        ranks where they are nearly lapsed (a node that is gone has no rank left among them).
+
+        When the rendezvous has dropped every agent of a round all the same, the next node to
+        come starts a new round alone and trains beside the job, into its folders, while the
+        dropped agents, who see no node waiting, leave their workers alone. Nothing else moves
+        the round while workers of the last one run: agents that restart their workers leave
+        the round only once those have exited, and a new round begins only when every agent
+        has left the last one. So a process that sees a newer round stops, writing nothing
+        more; its agent restarts it into the new round, which makes the agents there restart
+        theirs, and the job is one again, from its last checkpoint."""
+        rdzv = self.env.rendezvous
+        reader = RendezvousReader(self._connections.declare, rdzv.run_id)
+        lapse_s = rdzv.keep_alive_interval_s * rdzv.keep_alive_max_attempt
+        renew_after_s = lapse_s - rdzv.keep_alive_interval_s / 2
+        agents: tuple[int, set[tuple[str, int]]] = (-1, set())
         while not self._closed:
-            time.sleep(ROUND_CHECK_S)
+            keeper = self.env.local_rank == 0 and os.getppid() == self.identity.agent
+            time.sleep(min(ROUND_CHECK_S, rdzv.keep_alive_interval_s) if keeper
+                       else ROUND_CHECK_S)
             try:
-                now = read()
+                state, token = reader.read()
+                renewed = None
+                if keeper and state.round == self.round:
+                    if agents[0] != self.generation:
+                        agents = self._member_agents()
+                    renewed = reader.renew(state, token, agents[1], renew_after_s)
             except Exception:  # noqa: BLE001, S112 - the store stalls or went (torch's
                 continue  # rendezvous errors are no RuntimeError): the loop's own waits tell
-            if now != self.round and not self._closed:
+            if self._closed:
+                return
+            if state.round != self.round:
                 log.error("the rendezvous moved on to round %d without this node's agent (in "
                           "round %d; its keep-alives lapsed): leaving, so that torchrun "
-                          "restarts this node into the job", now, self.round)
+                          "restarts this node into the job", state.round, self.round)
                 end_process(EXIT_GAVE_UP)
+            if renewed is not None:
+                log.warning("%d of this job's torchrun agents had sent no keep-alive for up to "
+                            "%.1f s (the rendezvous drops one at %.0f s, and it sends none once "
+                            "its own has lapsed): renewed in their place", *renewed, lapse_s)
+
+    def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
+        """The generation, and the agents of its ranks as the rendezvous names them (name, pid);
+        none until every rank has said who it is. All or none: the first agent to write again
+        drops from the state every other whose keep-alive is still lapsed."""
+        generation, store = self.generation, self._connections.declare
+        keys = [self._key(f"id/{rank}", generation) for rank in range(self.env.world_size)]
+        if not store.check(keys):
+            return -1, set()
+        found = [Identity(**json.loads(raw)) for raw in store.multi_get(keys)]
+        return generation, {(i.agent_addr, i.agent) for i in found}
 
     def _give_up(self) -> None:
         log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
@@ -526,9 +567,10 @@ class _StateUnpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
 
-class RoundReader:
-    """Reads the round of the c10d rendezvous ``run_id`` that its agents are in, from the state
-    they keep in ``store`` (the raw store, no prefix), as their own backend reads it."""
+class RendezvousReader:
+    """The state of the c10d rendezvous ``run_id`` that its agents keep in ``store`` (the raw
+    store, no prefix), read as their own backend reads it; and one agent's keep-alive renewed
+    in it, as that agent writes it."""
 
     def __init__(self, store: dist.Store, run_id: str):
         from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
@@ -538,16 +580,49 @@ class RoundReader:
         self.run_id = run_id
         self._backend = C10dRendezvousBackend(_unprefixed(store), run_id)
 
-    def __call__(self) -> int:
+    def read(self) -> tuple[Any, Any]:
+        """The state (torch's ``_RendezvousState``) and its token, for :meth:`renew`."""
         found = self._backend.get_state()
         if found is None:
             raise ValueError(f"no rendezvous state for {self.run_id}")
-        return _StateUnpickler(io.BytesIO(found[0])).load().round
+        return _StateUnpickler(io.BytesIO(found[0])).load(), found[1]
+
+    def __call__(self) -> int:
+        """The round the agents are in."""
+        return self.read()[0].round
+
+    def renew(self, state: Any, token: Any, agents: set[tuple[str, int]], older_than_s: float,
+              ) -> tuple[int, float] | None:
+        """Renews, in ``state``, the keep-alives of the participants among ``agents`` (name in
+        the rendezvous, pid) whose last one is older than ``older_than_s``, in one
+        compare-and-set on ``token``, so that nothing another writer wrote since is lost. How
+        many it renewed and the oldest one's age, when it did.
+
+        An agent of torch 2.14 whose own keep-alive in the store is older than the rendezvous
+        keeps a node (``keep_alive_interval × keep_alive_max_attempt``) never sends another:
+        every read drops the lapsed entries from its copy of the state, its own with them, and
+        ``_should_keep_alive`` finds no entry of its own to renew. A store that stalls that long
+        does it to every agent at once (``make chaos32``: 32 workers connecting, each new
+        client's name looked up in the store's one event loop); the first agent to write again
+        then drops the others, and the next node to join drops them all and starts a round
+        alone. Renewed together, every agent reads its own entry again and goes on renewing it
+        by itself."""
+        now = datetime.datetime.now(datetime.timezone.utc)
+        lapsing = {node: (now - last).total_seconds()
+                   for node, last in state.last_heartbeats.items()
+                   if (node.addr, node.pid) in agents and node in state.participants
+                   and (now - last).total_seconds() > older_than_s}
+        if not lapsing:
+            return None
+        state.last_heartbeats.update(dict.fromkeys(lapsing, now))
+        written = self._backend.set_state(pickle.dumps(state), token)
+        return (len(lapsing), max(lapsing.values())) if written is not None and written[2] \
+            else None
 
 
 def rendezvous_round(store: dist.Store, run_id: str) -> int:
     """The round of the c10d rendezvous ``run_id`` that its agents are in."""
-    return RoundReader(store, run_id)()
+    return RendezvousReader(store, run_id)()
 
 
 def arrive_at_exit_barrier(store: dist.Store, run_id: str, round_: int, count: int,

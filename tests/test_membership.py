@@ -5,9 +5,13 @@ real signals, is tests/test_multinode.py."""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import datetime
 import json
+import os
 import pickle
+import socket
 import threading
 import time
 
@@ -132,18 +136,29 @@ def test_a_recovery_opens_no_connection_to_the_coordination_store(store, members
 
 
 def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, caplog):
-    """Every agent of round 3 dropped (their keep-alives lapsed while the store stalled), a node
-    that came alone starts round 4 and trains in it: the workers of round 3 leave at once, in
-    one line, so that their agents restart them into the job."""
+    """A lapsed keep-alive of this process's agent is renewed by its local rank 0. Every agent
+    of round 3 dropped all the same, a node that came alone starts round 4 and trains in it:
+    the workers of round 3 leave at once, in one line, so that their agents restart them into
+    the job."""
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
-    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _RendezvousState
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
     from elastic_mnist import membership
 
     backend = C10dRendezvousBackend(store, "job7")
     state = _RendezvousState()
     state.round = 3
+    # Lapsed: this process's "agent", rank 1's on another node, and one whose node is gone.
+    agent, other, gone = (_NodeDesc(socket.getfqdn(), os.getppid(), 0),
+                          _NodeDesc("n2.example", 4242, 0), _NodeDesc("n3.example", 4343, 0))
+    lapsed_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=20)
+    for rank, node in enumerate((agent, other, gone)):
+        state.participants[node] = rank
+        state.last_heartbeats[node] = lapsed_at
     backend.set_state(pickle.dumps(state))
+    launch = PrefixStore("elastic_mnist/job7/x", store.clone())
+    launch.set("g0/id/1", json.dumps(dataclasses.asdict(
+        Identity("n2", 99, 4242, 0, agent_addr="n2.example"))))
     left: list[int] = []
     monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
     monkeypatch.setattr(membership, "end_process", left.append)
@@ -157,6 +172,11 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         assert member.round == 3
         time.sleep(0.5)
         assert left == []  # the same round: the job goes on
+        renewed = pickle.loads(backend.get_state()[0]).last_heartbeats  # by local rank 0
+        assert renewed[agent] > lapsed_at + datetime.timedelta(seconds=19)
+        assert renewed[other] == renewed[agent] and renewed[gone] == lapsed_at
+        assert "2 of this job's torchrun agents had sent no keep-alive for up to 20" in \
+            caplog.text
         state.round = 4
         backend.set_state(pickle.dumps(state), backend.get_state()[1])
         deadline = time.monotonic() + 10
@@ -200,6 +220,12 @@ def test_the_rendezvous_is_read_from_the_agent_command_line():
         ("head", 29400, "job7", "head:29400")
     module = ["python", "-m", "torch.distributed.run", *line[2:]]
     assert rendezvous_of(module) == found
+    assert (found.keep_alive_interval_s, found.keep_alive_max_attempt, found.local_addr) == \
+        (5.0, 3, None)  # torch's defaults
+    conf = "--rdzv_conf=join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4"
+    node_sh = rendezvous_of([*line[:6], conf, "--local_addr=n1", *line[6:]])
+    assert (node_sh.keep_alive_interval_s, node_sh.keep_alive_max_attempt, node_sh.local_addr) \
+        == (1.0, 4, "n1")
     default_port = [arg.replace("head:29400", "head") for arg in line]
     assert rendezvous_of(default_port).port == 29400
     for one_node in (["python", "-m", "torch.distributed.run", "--standalone",
@@ -230,6 +256,88 @@ def test_the_exit_barrier_is_released_for_the_agents_that_are_gone(store):
     arrive_at_exit_barrier(store, "job7", 3, count=2, agents=3)
     agent.join(timeout=10)
     assert not agent.is_alive()
+
+
+def test_an_agent_whose_keep_alive_lapsed_in_a_stalled_store_is_renewed_back(tmp_path):
+    """Real torch rendezvous handlers (jobs/node.sh's timing: keep-alives every 1 s, dropped
+    after 3) on a store in another process, SIGSTOPped for 4 s as a store stalls: afterwards
+    neither handler ever renews its keep-alive again (torch 2.14: each read drops its own lapsed
+    entry from its copy of the state), so the next node to join would drop them both and start
+    a round alone. Renewed in their place, they take it up again themselves, and a node that
+    joins waits for the next round beside them, as it should."""
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    from elastic_mnist.membership import RendezvousReader
+
+    serve = ("import time; from torch.distributed import TCPStore; "
+             "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
+             "print(s.port, flush=True); time.sleep(300)")
+    server = subprocess.Popen([sys.executable, "-c", serve], stdout=subprocess.PIPE, text=True)
+    handlers = []
+    try:
+        port = int(server.stdout.readline())
+
+        def handler():
+            params = RendezvousParameters(
+                backend="c10d", endpoint=f"127.0.0.1:{port}", run_id="job7", min_nodes=2,
+                max_nodes=3, join_timeout="60", last_call_timeout="1", keep_alive_interval="1",
+                keep_alive_max_attempt="3", is_host="false")
+            handlers.append(create_handler(*reversed(create_backend(params)), params))
+            return handlers[-1]
+
+        first = [handler(), handler()]
+        joins = [threading.Thread(target=h.next_rendezvous) for h in first]
+        for join in joins:
+            join.start()
+        for join in joins:
+            join.join(timeout=60)
+        reader = RendezvousReader(TCPStore("127.0.0.1", port, timeout=TIMEOUT), "job7")
+
+        def ages() -> list[float]:
+            now = datetime.datetime.now(datetime.timezone.utc)
+            return [(now - t).total_seconds() for t in reader.read()[0].last_heartbeats.values()]
+
+        assert len(ages()) == 2 and max(ages()) < 2.5
+        server.send_signal(signal.SIGSTOP)
+        time.sleep(4)
+        server.send_signal(signal.SIGCONT)
+        time.sleep(3)
+        lapsed = ages()
+        assert min(lapsed) > 6, lapsed  # nothing renewed in the 3 s since the store came back
+        state, token = reader.read()
+        node = next(iter(state.participants))
+        renewed_at = datetime.datetime.now(datetime.timezone.utc)
+        count, age = reader.renew(state, token, {(node.addr, node.pid)}, older_than_s=2.5)
+        assert count == 2 and age > 6  # the two handlers share this process's name and pid
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and min(
+                reader.read()[0].last_heartbeats.values()) < renewed_at + datetime.timedelta(
+                    seconds=0.5):
+            time.sleep(0.1)
+        assert max(ages()) < 2.5, "the handlers did not take their keep-alives up again"
+        round_ = reader()
+
+        def join_late():
+            with contextlib.suppress(Exception):  # closed at the end
+                handler().next_rendezvous()
+
+        threading.Thread(target=join_late, daemon=True).start()
+        while time.monotonic() < deadline + 10 and not reader.read()[0].wait_list:
+            time.sleep(0.1)
+        state = reader.read()[0]
+        assert (state.round, len(state.participants), len(state.wait_list)) == (round_, 2, 1)
+    finally:
+        for made in handlers[:2]:
+            with contextlib.suppress(Exception):
+                made.shutdown()
+        server.kill()
+        server.wait()
 
 
 def test_a_rendezvous_state_that_holds_anything_else_is_refused(store):
