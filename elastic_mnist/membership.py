@@ -104,6 +104,10 @@ class Identity:
     name); empty without a multi-node rendezvous."""
 
 
+UNKNOWN = Identity("unknown", 0, 0, 0)
+"""The identity of a rank lost before it said who it was."""
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a rank stood when the fault struck."""
@@ -389,13 +393,15 @@ class Membership(NullMembership):
         self._next_generation(change, identities, members)
         return change
 
-    def _identities(self) -> dict[int, Identity]:
-        """Every rank's identity as it published it; a rank lost before it could is unknown."""
+    def _identities(self, store: dist.Store | None = None) -> dict[int, Identity]:
+        """Every rank's identity as it published it (read on ``store``, the main connection by
+        default); a rank lost before it could is unknown."""
+        store = store or self.store
         found = {}
         for rank in range(self.env.world_size):
             key = self._key(f"id/{rank}")
-            found[rank] = (Identity(**json.loads(self.store.get(key)))
-                           if self.store.check([key]) else Identity("unknown", 0, 0, 0))
+            found[rank] = (Identity(**json.loads(store.get(key)))
+                           if store.check([key]) else UNKNOWN)
         return found
 
     def _next_generation(self, change: Change, identities: dict[int, Identity],
@@ -479,11 +485,10 @@ class Membership(NullMembership):
         """The generation, and the agents of its ranks as the rendezvous names them (name, pid);
         none until every rank has said who it is. All or none: the first agent to write again
         drops from the state every other whose keep-alive is still lapsed."""
-        generation, store = self.generation, self._connections.declare
-        keys = [self._key(f"id/{rank}", generation) for rank in range(self.env.world_size)]
-        if not store.check(keys):
+        generation = self.generation
+        found = self._identities(self._connections.declare).values()
+        if UNKNOWN in found or generation != self.generation:
             return -1, set()
-        found = [Identity(**json.loads(raw)) for raw in store.multi_get(keys)]
         return generation, {(i.agent_addr, i.agent) for i in found}
 
     def _give_up(self) -> None:
@@ -608,10 +613,9 @@ class RendezvousReader:
         alone. Renewed together, every agent reads its own entry again and goes on renewing it
         by itself."""
         now = datetime.datetime.now(datetime.timezone.utc)
-        lapsing = {node: (now - last).total_seconds()
-                   for node, last in state.last_heartbeats.items()
-                   if (node.addr, node.pid) in agents and node in state.participants
-                   and (now - last).total_seconds() > older_than_s}
+        ages = {node: (now - last).total_seconds() for node, last in state.last_heartbeats.items()
+                if (node.addr, node.pid) in agents and node in state.participants}
+        lapsing = {node: age for node, age in ages.items() if age > older_than_s}
         if not lapsing:
             return None
         state.last_heartbeats.update(dict.fromkeys(lapsing, now))
