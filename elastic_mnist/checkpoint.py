@@ -315,9 +315,11 @@ class Checkpointer(NullCheckpointer):
 
     def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int,
                  before_write: Callable[[int], None] = lambda step: None,
-                 remove_stale: bool = True):
-        """``remove_stale``: take back the temp files a writer killed mid-write left (not when
-        taking over from a rank 0 that left in process: its writer may still be finishing)."""
+                 taking_over_at: int | None = None):
+        """``taking_over_at``: the step at which this rank 0 takes over, in process, from one
+        that is gone. Its temp files are kept (its writer may still be finishing), and a
+        checkpoint it committed at that step is not written again. Otherwise the temp files a
+        writer killed mid-write left are taken back."""
         self.directory = Path(directory)
         self.before_write = before_write
         """Called in the writer thread before each write, with its step (fault injection)."""
@@ -325,9 +327,12 @@ class Checkpointer(NullCheckpointer):
         self.keep_last = keep_last
         self.restart_generation = restart_generation
         self.directory.mkdir(parents=True, exist_ok=True)
-        if remove_stale:
+        if taking_over_at is None:
             remove_stale_temp_files(self.directory)
         self._last_saved_step = -1
+        if taking_over_at is not None and (self.directory /
+                                           f"{checkpoint_name(taking_over_at)}.json").exists():
+            self._last_saved_step = taking_over_at
         self._jobs: queue.Queue = queue.Queue(maxsize=1)
         self._error: BaseException | None = None
         self._idle = threading.Event()

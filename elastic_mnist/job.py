@@ -164,11 +164,11 @@ class Duties:
     membership: NullMembership
 
     def checkpointer(self, env: DistEnv, generation: int, faults: Faults,
-                     taking_over: bool = False) -> NullCheckpointer:
+                     taking_over_at: int | None = None) -> NullCheckpointer:
         c = self.cfg.checkpoint
         return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every, keep_last=c.keep_last,
                              restart_generation=generation, before_write=faults.maybe_fill_disk,
-                             remove_stale=not taking_over)
+                             taking_over_at=taking_over_at)
                 if env.is_main else NullCheckpointer())
 
     def audit(self, env: DistEnv, generation: int) -> AuditLog:
@@ -218,7 +218,7 @@ class Duties:
             trainer.checkpointer.restart_generation = generation
         elif env.is_main:
             trainer.checkpointer = self.checkpointer(env, generation, trainer.faults,
-                                                     taking_over=True)
+                                                     taking_over_at=change.step)
         self.report(trainer, purge_step=change.step + 1)
         self.watch(trainer)
 

@@ -375,11 +375,12 @@ class Recorded:
         pass
 
 
-@pytest.mark.parametrize("rank0_evaluated", [False, True])
+@pytest.mark.parametrize("rank0_did", ["trained", "evaluated", "saved"])
 def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp_path,
-                                                                rank0_evaluated):
+                                                                rank0_did):
     """A fault in an epoch's evaluation or save comes after its step was agreed: the new group
-    evaluates it (unless its rank 0 had, and logged it) and saves it, before stepping on."""
+    evaluates it (unless its rank 0 had, and logged it) and saves it (unless its rank 0 had
+    committed it: a new rank 0 does not write it, nor its records, twice), before stepping on."""
     from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
@@ -390,20 +391,28 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     cfg = TrainConfig()
     cfg.optim.global_batch_size, cfg.optim.micro_batch_size, cfg.optim.max_steps = 64, 32, 11
     cfg.run.device = "cpu"
-    checkpointer = Checkpointer(tmp_path, every=0, keep_last=3, restart_generation=1)
     trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
-                      run_id="owed", restart_generation=1, checkpointer=checkpointer)
+                      run_id="owed", restart_generation=1)
     for _ in range(10):  # 640 digits, 64 a step: step 10 ends the epoch
         batch = trainer.global_batch()
         trainer.train_step(batch, stop_requested=False)
         trainer.advance(len(batch))
+    if rank0_did == "saved":  # the rank 0 that is gone committed step 10
+        predecessor = Checkpointer(tmp_path, every=0, keep_last=3, restart_generation=1)
+        predecessor.maybe_save(trainer.state, 10, epoch_end=True, final=True)
+        predecessor.close()
+    trainer.checkpointer = checkpointer = Checkpointer(
+        tmp_path, every=0, keep_last=3, restart_generation=2, taking_over_at=10)
+    committed = []
+    checkpointer.on_commit = lambda manifest, blocking_ms: committed.append(manifest.step)
     trainer.events = Recorded()
-    trainer.owed = Change(env=DistEnv(), generation=1, old_world_size=2, lost=[], why="died",
+    trainer.owed = Change(env=DistEnv(), generation=2, old_world_size=2, lost=[], why="died",
                           step=10, holder=0, steps_redone=0,
-                          evaluated_step=10 if rank0_evaluated else 9, detected=0.0,
+                          evaluated_step=9 if rank0_did == "trained" else 10, detected=0.0,
                           detected_at=0.0)
     assert trainer.fit(StopRequest()) == "finished"
     checkpointer.close()
     evals = [step for event, step in trainer.events.records if event == "eval"]
-    assert evals == ([11] if rank0_evaluated else [10, 11])
+    assert evals == ([10, 11] if rank0_did == "trained" else [11])
+    assert committed == ([11] if rank0_did == "saved" else [10, 11])
     assert newest_committed_step(tmp_path) == 11 and (tmp_path / "step-00000010.pt").exists()
