@@ -10,8 +10,10 @@
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
 
 Each fires at most once per worker process. ``hang``, ``stall`` and ``disk-full`` fire only in a
-launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0): the attempt torchrun restarts after
-them runs clean, as it would once a real fault has passed, instead of meeting them again forever.
+launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
+process: the attempt torchrun restarts after them, or the group the survivors regroup in, runs
+clean, as it would once a real fault has passed, instead of meeting them again forever (a survivor
+that takes the frozen rank's number would freeze at the same step).
 A ``nan-grad`` step that a restart runs again is poisoned again (and skipped again). Nothing here
 runs unless the variable is set.
 """
@@ -60,11 +62,13 @@ class Faults:
 
     @classmethod
     def from_environ(cls, rank: int, restart_count: int,
-                     environ: Mapping[str, str] | None = None) -> Faults:
+                     environ: Mapping[str, str] | None = None, *,
+                     regrouped: bool = False) -> Faults:
+        """``regrouped``: for a rank of a group the survivors built in process."""
         text = (os.environ if environ is None else environ).get(FAULT_VAR, "")
         faults = parse(text)  # checked on every attempt: a bad value is said at once
-        return cls(tuple(f for f in faults if restart_count == 0 or f.kind not in FIRST_ATTEMPT),
-                   rank)
+        first = restart_count == 0 and not regrouped
+        return cls(tuple(f for f in faults if first or f.kind not in FIRST_ATTEMPT), rank)
 
     def fires(self, kind: str, step: int) -> bool:
         """True once for a fault of ``kind`` at ``step`` meant for this rank."""

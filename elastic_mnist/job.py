@@ -211,7 +211,7 @@ class Duties:
             add_file_handler(str(self.run_dir / "train.log"))
         if env.is_local_main:
             write_run_file(self.checkpoint_dir, self.run_id, generation)
-        trainer.faults = Faults.from_environ(env.rank, env.restart_count)
+        trainer.faults = Faults.from_environ(env.rank, env.restart_count, regrouped=True)
         trainer.audit.close()
         trainer.audit = self.audit(env, generation)
         if isinstance(trainer.checkpointer, Checkpointer):

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import math
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -315,6 +316,8 @@ class Trainer:
                     bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
                     gradient_as_bucket_view=True)  # no copy between gradients and bucket
             ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
+        self.buckets_rebuilt = ddp is None
+        """DDP's one regrouping of its buckets, after its first backward, is done."""
         net: nn.Module = ddp if ddp is not None else self.model
         o = self.cfg.optim  # the micro-batches per rank change with the world size: chosen anew
         self.compilation = choose_compilation(
@@ -462,7 +465,8 @@ class Trainer:
         """Joins the new world: the state of the first survivor at the agreed step (the step
         everyone completed, or the one some completed: theirs is whole), then the model in a
         DDP of the new group. The old wrappers are kept, never freed: the old group's threads
-        may still hold its buffers."""
+        may still hold its buffers. Their hooks on the parameters go: each takes its reducer's
+        lock, which a thread left waiting in that group (:meth:`_rebuild_buckets`) may hold."""
         self.env, self.restart_generation = change.env, change.generation
         self.mid_step = False
         self._partial_stop_since = None
@@ -471,6 +475,8 @@ class Trainer:
         if self.env.rank != change.holder:
             self.load_state(payload)
         self._retired.append(self.net)
+        if self.ddp is not None:
+            self.ddp.reducer._remove_autograd_hooks()
         self.ddp, self.net = self._wrap()
         self.compiled_sizes = set()
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
@@ -575,6 +581,8 @@ class Trainer:
 
         self.bn_stats.begin_step()
         self.mid_step = True
+        if not self.buckets_rebuilt:
+            self._rebuild_buckets()
         self.optimizer.zero_grad(set_to_none=True)
         self.grad_check.nonfinite.zero_()
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -658,6 +666,27 @@ class Trainer:
         if self.ddp is None or last_micro_batch:
             return contextlib.nullcontext()
         return self.ddp.no_sync()
+
+    def _rebuild_buckets(self) -> None:
+        """DDP regroups its buckets once, in the order its first backward made the gradients
+        ready, at the next forward, by a broadcast from rank 0 that blocks and that nothing can
+        give up on: a peer lost meanwhile ends this rank (gloo: "Connection reset by peer"), a
+        frozen one holds it until the group's timeout. Done here instead, as DDP's own join hook
+        does it, in a thread of its own, waited on through the membership like the step's other
+        collectives (the thread of a group given up on is left to gloo's timeout)."""
+        ddp, done = self.ddp, torch.futures.Future()
+
+        def rebuild() -> None:
+            try:
+                done.set_result(ddp.reducer._rebuild_buckets())
+            except Exception as e:  # noqa: BLE001 - the backend's error, handed to the waiter
+                done.set_exception(e)
+
+        threading.Thread(target=rebuild, daemon=True, name="ddp-rebuild-buckets").start()
+        with self.watchdog.waiting():
+            rebuilt = self.membership.guard(done).wait()
+        if rebuilt:  # False before the first backward: nothing to regroup yet
+            self.buckets_rebuilt = ddp._has_rebuilt_buckets = True
 
     def _waiting_if(self, waits: bool):
         return self.watchdog.waiting() if waits else contextlib.nullcontext()

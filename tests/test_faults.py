@@ -68,6 +68,8 @@ def test_fault_specs_parse_and_each_fires_once():
     assert not Faults.from_environ(0, 0, {FAULT_VAR: "nan-grad@5:1"}).fires("nan-grad", 5)
     restarted = Faults.from_environ(1, 1, {FAULT_VAR: "nan-grad@5:1,hang@6:1,disk-full@7:1"})
     assert restarted.pending == {("nan-grad", 5)}  # the others would strike again forever
+    regrouped = Faults.from_environ(1, 0, {FAULT_VAR: "nan-grad@5:1,hang@6:1"}, regrouped=True)
+    assert regrouped.pending == {("nan-grad", 5)}
 
 
 @pytest.mark.parametrize("bad", ["nan-grad", "nan-grad@x", "melt@3", "hang@3:one"])

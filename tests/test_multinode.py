@@ -21,6 +21,7 @@ from shared_runs import inspect, newest
 from test_dashboards import accumulate
 
 from elastic_mnist.events import read_events
+from elastic_mnist.faults import FAULT_VAR
 from elastic_mnist.membership import arrive_at_exit_barrier, rendezvous_round
 
 sys.path.insert(0, str(REPO / "scripts"))
@@ -117,6 +118,47 @@ def test_a_node_leaving_and_rank_0_lost_under_jobs_node_sh(tmp_path):
     generations = {json.loads(p.read_text())["restart_generation"]
                    for p in (work / "shared" / "ckpt").glob("step-*.json")}
     assert generations <= {2, 3} and 3 in generations  # written after the kill, and the join
+
+
+def test_a_peer_frozen_as_ddp_regroups_its_buckets_costs_the_hang_timeout(tiny_digits,
+                                                                           tmp_path):
+    """DDP regroups its buckets once, at its second step, by a blocking broadcast from rank 0
+    that no timeout but the group's ends. Two plain torchrun agents of one worker; rank 0
+    freezes (SIGSTOP) as it begins step 2, and rank 1, waiting in that broadcast, names it
+    after --hang-timeout and goes on alone in its own process, not after --pg-timeout (300 s)."""
+    from shared_runs import args_for
+
+    port = free_port()
+    args = args_for(tiny_digits, tmp_path, "--run-id", "regroup", "--epochs", "1",
+                    "--hang-timeout", "2", "--pg-timeout", "300")
+    env = clean_env(**{FAULT_VAR: "hang@2:0"})
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=regroup",
+         f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
+         "-m", "elastic_mnist", *args],
+        env=env, stdout=(tmp_path / f"agent{i}.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True) for i, host in enumerate((True, False))]
+
+    def logs() -> str:
+        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+
+    try:
+        deadline = time.monotonic() + 90
+        while all(agent.poll() is None for agent in agents):  # the survivor's agent ends
+            assert time.monotonic() < deadline, logs()
+            time.sleep(0.2)
+        assert [agent.returncode for agent in agents if agent.poll() is not None] == [0], logs()
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    events = read_events(tmp_path / "runs" / "regroup" / "events.jsonl")
+    (hang,) = [e for e in events if e["event"] == "hang"]
+    (shrink,) = [e for e in events if e["event"] == "shrink"]
+    assert (hang["ranks"], hang["reported_by"]) == ([0], 1)
+    assert (shrink["why"], shrink["lost_ranks"], shrink["step"], shrink["new_world_size"]) == \
+        ("hung", [0], 1, 1)
+    assert max(e["step"] for e in events if e["event"] == "checkpoint") == 10
 
 
 def test_what_survivors_rely_on_from_torchrun_and_gloo(tmp_path):
