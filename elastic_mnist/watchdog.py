@@ -293,10 +293,15 @@ class Watchdog(NullWatchdog):
         if self.step != step or self.busy_with or self._stop.is_set():
             return None
         if first is None or second is None:
+            silent = ("the coordination store does not answer" if self.store_host is None else
+                      f"the store that rank {self.store_host} serves does not answer")
+            if not self.waiting_for_peers:  # no peer holds this rank up: it is the one stuck
+                me = self.env.rank
+                return Verdict([me], [], f"alive, not in a collective: rank {me} at "
+                               f"{training_thread_position(self.training_thread)}; {silent}", {})
             if self.store_host is None:
-                return Verdict([], [], "the coordination store does not answer", {})
-            return Verdict([self.store_host], [self.store_host],
-                           f"the store that rank {self.store_host} serves does not answer", {})
+                return Verdict([], [], silent, {})
+            return Verdict([self.store_host], [self.store_host], silent, {})
         ranks = range(self.env.world_size)
         silent = [r for r in ranks if r not in first or r not in second
                   or second[r].beat == first[r].beat]

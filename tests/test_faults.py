@@ -336,8 +336,20 @@ class Peer:
              "pid": 1, "ppid": 1, "where": "train.py:1 step", "waiting": self.waiting}))
 
 
+class GoneStore:
+    """The store of a host that is gone: every call fails, as a TCPStore client's does."""
+
+    def set_timeout(self, timeout) -> None:
+        pass
+
+    def __getattr__(self, name):
+        def fail(*args, **kwargs):
+            raise RuntimeError("Connection reset by peer")
+        return fail
+
+
 def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
-                 rank0_waits: bool = True):
+                 rank0_waits: bool = True, store_gone: bool = False):
     """Rank 0's watchdog's verdict, rank 1 as ``Peer`` says; rank 0's own training thread is a
     real thread blocked in a host sync that no torch frame shows (as an NCCL rank blocks, the
     collective having returned at once), inside ``waiting()`` when ``rank0_waits``."""
@@ -351,8 +363,9 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
 
     store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
                      timeout=datetime.timedelta(seconds=5))
-    dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), store.clone(),
-                            floor_s=0.1, report=lambda record: None, beat_s=0.05)
+    dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True),
+                            GoneStore() if store_gone else store.clone(), floor_s=0.1,
+                            report=lambda record: None, beat_s=0.05, store_host=1)
     dog.step = 7
     peer = Peer(store.clone(), peer_busy, peer_beating, peer_waiting)
     done, blocked = threading.Event(), threading.Event()
@@ -405,6 +418,19 @@ def test_a_rank_blocked_in_a_marked_host_sync_is_waiting_not_hung():
     unmarked = verdict_with(peer_busy="", peer_beating=True, peer_waiting=False,
                             rank0_waits=False)
     assert unmarked.suspects == [0, 1]
+
+
+def test_a_rank_stuck_outside_every_collective_when_the_store_goes_names_itself():
+    """The store's host left (its verdict: this rank hung): a rank waiting in a collective names
+    that host; one whose own training thread stands outside every collective names itself, and
+    writes no record blaming the host."""
+    waiting = verdict_with(peer_busy="", peer_beating=True, store_gone=True)
+    assert waiting.suspects == [1]
+    assert waiting.reason == "the store that rank 1 serves does not answer"
+    stuck = verdict_with(peer_busy="", peer_beating=True, store_gone=True, rank0_waits=False)
+    assert stuck.suspects == [0] and stuck.silent == []
+    assert stuck.reason.startswith("alive, not in a collective: rank 0 at ")
+    assert stuck.reason.endswith("; the store that rank 1 serves does not answer")
 
 
 def test_a_heartbeat_says_where_the_training_thread_stands():
