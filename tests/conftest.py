@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -15,6 +16,15 @@ REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
 SHARED_RUNS = {"reference_run", "killed_run", "resized_run"}
 """shared_runs.py's session fixtures: the tests that read them run in one process, so that each
 run is launched once, however many processes the suite runs in (pytest -n)."""
+
+
+def pytest_configure(config):
+    """SIGINT as a terminal's shell leaves it, for the launches that tests Ctrl-C. A shell's
+    background job (a CI runner's, ``make test &``) starts with SIGINT ignored, and an ignored
+    signal stays ignored in every child, through exec and traps alike: the jobs would never see
+    their Ctrl-C. A handler of this process's own is reset to the default in each child."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
