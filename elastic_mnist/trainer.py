@@ -41,7 +41,7 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.faults import Faults
-from elastic_mnist.membership import CannotRecover, Change, NullMembership, Position
+from elastic_mnist.membership import CannotRecover, Change, NullMembership, PeerFailure, Position
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.preemption import StopRequest
@@ -149,6 +149,14 @@ class StepFlags:
                 [r for r, v in enumerate(nonfinite) if v > 0])
 
 
+def require_group() -> None:
+    """Raises PeerFailure when this process has no process group any more: torch clears the
+    default group when a generation's NCCL communicator is aborted (``Membership.abort``), and
+    a collective skipped for want of a group would hand back this rank's own values."""
+    if not dist.is_initialized():
+        raise PeerFailure("the process group is gone (its generation was aborted)")
+
+
 def sum_allreduce_hook(state, bucket):
     """DDP communication hook that sums gradients (the loss is already divided by the batch),
     noting first whether this rank's own gradients hold NaN or infinity (without a sync).
@@ -160,6 +168,7 @@ def sum_allreduce_hook(state, bucket):
     annotations turn into strings.
     """
     state.nonfinite |= ~torch.isfinite(bucket.buffer()).all()
+    require_group()
     if dist.get_world_size(state.group) == 1:
         done = torch.futures.Future()
         done.set_result(bucket.buffer())
@@ -693,8 +702,10 @@ class Trainer:
 
     def _all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums ``tensor`` over the ranks in place, waited on through the membership: the wait
-        ends when the group loses a rank, even if the collective never returns."""
-        if distributed.is_active():
+        ends when the group loses a rank, even if the collective never returns. In a world of
+        more than one, a group that is gone fails it too: never this rank's values as the sum."""
+        if self.env.world_size > 1:
+            require_group()
             work = dist.all_reduce(tensor, async_op=True)
             with self.watchdog.waiting():
                 self.membership.guard(work.get_future()).wait()

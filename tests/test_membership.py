@@ -416,3 +416,35 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     assert evals == ([10, 11] if rank0_did == "trained" else [11])
     assert committed == ([11] if rank0_did == "saved" else [10, 11])
     assert newest_committed_step(tmp_path) == 11 and (tmp_path / "step-00000010.pt").exists()
+
+
+def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local_values(
+        tiny_digits, members):
+    """NCCL's abort (``Membership.abort``) makes torch clear the default group. A collective
+    skipped for want of a group would return this rank's own values as the sum: a step's flags
+    and statistics, an evaluation's accuracy, of one rank. Every collective of the loop raises
+    PeerFailure instead, which the loop recovers from."""
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.trainer import GradCheck, Trainer, sum_allreduce_hook
+
+    cfg = TrainConfig()
+    cfg.run.device = "cpu"
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="aborted", restart_generation=1)
+    member = members(0, world_size=2)
+    trainer.env, trainer.membership = member.env, member  # rank 0 of 2, its group gone
+    member.abort(Fault("died", [1], 1, "", time.time()))
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(PeerFailure):
+        trainer._all_reduce_(torch.ones(3))
+    with pytest.raises(PeerFailure):
+        trainer.log_evaluation()
+    assert trainer.last_eval is None
+
+    class Bucket:
+        def buffer(self) -> torch.Tensor:
+            return torch.ones(4)
+
+    with pytest.raises(PeerFailure):
+        sum_allreduce_hook(GradCheck(torch.device("cpu"), member), Bucket())
