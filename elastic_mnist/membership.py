@@ -230,8 +230,11 @@ class Membership(NullMembership):
         self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
                                  agent_addr=(env.rendezvous.local_addr or socket.getfqdn())
                                  if env.rendezvous is not None else "")
-        self.agents = {(self.identity.host, self.identity.agent)}
-        """The agents of the current generation's members."""
+        self.agents: set[tuple[str, int]] | None = None
+        """The agents of the current generation's members; None until a change: the launch's."""
+        self.gone_agents = 0
+        """Agents of the launch's round that changes removed (no rank of theirs is left): they
+        never come to torchrun's exit barrier."""
         self.faulted = None
         self.broken = None
         self._lock = threading.RLock()
@@ -412,7 +415,10 @@ class Membership(NullMembership):
             # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
             dist.destroy_process_group()
         self.env, self.generation = change.env, change.generation
-        self.agents = {(identities[r].host, identities[r].agent) for r in members}
+        agents = {(identities[r].host, identities[r].agent) for r in members}
+        self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
+            - len(agents)
+        self.agents = agents
         with self._lock:
             self.faulted = self.broken = None
         self._start_generation()
@@ -499,10 +505,13 @@ class Membership(NullMembership):
     # --- the job's end ----------------------------------------------------------------------------
 
     def release_agents(self) -> None:
-        """Arrives at torchrun's exit barrier for the agents that never will (their node died,
-        left, or froze), so that the surviving agents exit as soon as their workers have, instead
-        of waiting ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end."""
-        missing = self.launch_agents - len(self.agents)
+        """Arrives at torchrun's exit barrier for the agents that never will (a change removed
+        them: their node died, left, or froze), so that the surviving agents exit as soon as
+        their workers have, instead of waiting ``exit_barrier_timeout`` (300 s) for them. Rank
+        0 does it, once, at the end; after a run without a change, for none (an arrival for a
+        live agent opens the barrier early: the agent serving the store may then exit while
+        another still watches its workers)."""
+        missing = self.gone_agents
         if missing <= 0 or not self.env.is_main or self.env.rendezvous is None:
             return
         run_id = self.env.rendezvous.run_id
