@@ -100,8 +100,9 @@ class Identity:
     """The agent's pid: workers of one node share it."""
     local_rank: int
     agent_addr: str = ""
-    """The agent's name in the rendezvous (``--local_addr``, else its host's fully qualified
-    name); empty without a multi-node rendezvous."""
+    """The agent's name in the rendezvous, as its state names the participant of the agent's
+    pid (``--local_addr``, else the agent's own resolver's name for its host); empty without a
+    multi-node rendezvous."""
 
 
 UNKNOWN = Identity("unknown", 0, 0, 0)
@@ -227,9 +228,7 @@ class Membership(NullMembership):
         self.bound_s = bound_s
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
-        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
-                                 agent_addr=(env.rendezvous.local_addr or socket.getfqdn())
-                                 if env.rendezvous is not None else "")
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
         self.agents: set[tuple[str, int]] | None = None
         """The agents of the current generation's members; None until a change: the launch's."""
         self.gone_agents = 0
@@ -244,9 +243,11 @@ class Membership(NullMembership):
         self._closed = False
         self._connections = Connections.open(store)
         self._watcher: threading.Thread | None = None
-        self.round = (rendezvous_round(self.store, env.rendezvous.run_id)
-                      if env.rendezvous is not None else None)
+        self.round: int | None = None
         """The rendezvous round this process's agent is in: see :meth:`_guard_round`."""
+        if env.rendezvous is not None:
+            self.round, agent_addr = self._own_round()
+            self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
         self._start_generation()
         if self.round is not None:
             threading.Thread(target=self._guard_round, daemon=True,
@@ -438,6 +439,23 @@ class Membership(NullMembership):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def _own_round(self) -> tuple[int, str]:
+        """The rendezvous round this process's agent is in, and the agent's name there (torch
+        names it by its own host's name, which this process's resolver may not give back).
+        Leaves at once, writing nothing, when the current round does not list the agent: its
+        keep-alives lapsed, the rendezvous dropped it, and a round that another node started
+        is no round of this process's (see :meth:`_guard_round`)."""
+        rdzv = self.env.rendezvous
+        state, _ = RendezvousReader(self.store, rdzv.run_id).read()
+        name = agent_name(state, self.identity.agent,
+                          [rdzv.local_addr or socket.getfqdn(), platform.node()])
+        if name is None:
+            log.error("the rendezvous is in round %d, which does not list this node's torchrun "
+                      "agent (pid %d; its keep-alives lapsed): leaving, so that torchrun "
+                      "restarts this node into the job", state.round, self.identity.agent)
+            end_process(EXIT_GAVE_UP)
+        return state.round, name
 
     def _guard_round(self) -> None:
         """Keeps this process's agent in the rendezvous, and leaves at once when the rendezvous
@@ -631,6 +649,19 @@ class RendezvousReader:
         written = self._backend.set_state(pickle.dumps(state), token)
         return (len(lapsing), max(lapsing.values())) if written is not None and written[2] \
             else None
+
+
+def agent_name(state: Any, pid: int, names: list[str]) -> str | None:
+    """The name this host's torchrun agent of pid ``pid`` goes by among the participants of the
+    rendezvous ``state`` (torch's ``_NodeDesc``: the agent's ``--local_addr`` or its host's fully
+    qualified name, its pid): the only participant of that pid, else the one of them named as
+    this host is (``names``), else ``names[0]``. None when no participant has that pid: the round
+    does not list the agent."""
+    mine = [node.addr for node in state.participants if node.pid == pid]
+    if not mine:
+        return None
+    named = [addr for addr in mine if addr in names]
+    return mine[0] if len(mine) == 1 else named[0] if len(named) == 1 else names[0]
 
 
 def rendezvous_round(store: dist.Store, run_id: str) -> int:

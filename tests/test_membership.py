@@ -188,6 +188,80 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         member.close()
 
 
+def c10d_handler(port: int, run_id: str, **conf: str):
+    """torch's own c10d rendezvous handler, as an agent makes it (``--rdzv_conf`` in ``conf``)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                                  min_nodes=1, max_nodes=2, is_host="false", **conf)
+    return create_handler(*reversed(create_backend(params)), params)
+
+
+JOINER = """import sys
+from test_membership import c10d_handler
+c10d_handler(int(sys.argv[1]), "job7", local_addr="joiner.example", last_call_timeout="1",
+             keep_alive_interval="1", keep_alive_max_attempt="2").next_rendezvous()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeypatch, caplog):
+    """Real torch handlers. This process's agent is named in the rendezvous otherwise than this
+    host's resolver names it (its --local_addr, or a flaky resolver): the worker finds it by its
+    pid and renews its keep-alive under its own name. Then its keep-alives lapse (a start-up
+    stall) and a node that comes alone makes round 1 without it: a worker that starts then
+    refuses that round, leaves at once in one line and writes nothing."""
+    import subprocess
+    import sys
+
+    from elastic_mnist import membership
+
+    monkeypatch.setattr(os, "getppid", os.getpid)  # the handler below is this process's agent
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store of its own to serve
+    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+
+    def leave(code: int):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(membership, "end_process", leave)
+    agent = c10d_handler(store.port, "job7", local_addr="agent-a.example",
+                         last_call_timeout="1", keep_alive_interval="60")  # never renews
+    assert agent.next_rendezvous().rank == 0
+    env = DistEnv(rank=0, world_size=1, launched=True, rendezvous=rendezvous_of(
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:"
+         f"{store.port}", "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1",
+         "-m", "elastic_mnist", "train"]))
+    reader = membership.RendezvousReader(store, "job7")
+    (joined_at,) = reader.read()[0].last_heartbeats.values()
+    member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
+                                                              store.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    try:
+        assert (member.round, member.identity.agent_addr) == (0, "agent-a.example")
+        deadline = time.monotonic() + 10
+        while reader.read()[0].last_heartbeats[next(iter(reader.read()[0].participants))] \
+                == joined_at:  # renewed past 2.5 s (the lapse at 3)
+            assert time.monotonic() < deadline, "the agent's keep-alive was not renewed"
+            time.sleep(0.1)
+    finally:
+        member.close()
+    subprocess.run([sys.executable, "-c", JOINER, str(store.port)], check=True, timeout=60,
+                   cwd=os.path.dirname(__file__))
+    state = reader.read()[0]
+    assert state.round == 1 and [n.addr for n in state.participants] == ["joiner.example"]
+    with pytest.raises(SystemExit) as left:
+        Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/y", store.clone()),
+                   generation=0, pg_timeout_s=10, bound_s=60)
+    assert left.value.code == membership.EXIT_GAVE_UP
+    assert "the rendezvous is in round 1, which does not list this node's torchrun agent" in \
+        caplog.text
+    assert not store.check(["elastic_mnist/job7/y/g0/id/0"])  # nothing written
+    with contextlib.suppress(Exception):
+        agent.shutdown()
+
+
 def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
     member = members()
     done, failing = torch.futures.Future(), torch.futures.Future()
