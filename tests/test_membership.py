@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_mnist.env import DistEnv, rendezvous_of
+from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.membership import (
     Fault,
     Identity,
@@ -294,6 +294,9 @@ def test_the_rendezvous_is_read_from_the_agent_command_line():
         ("head", 29400, "job7", "head:29400")
     module = ["python", "-m", "torch.distributed.run", *line[2:]]
     assert rendezvous_of(module) == found
+    for joined in (["python", "-mtorch.distributed.run", *line[2:]],  # tests/launch.py's way
+                   ["python", "-u", "-m", "torch.distributed.launch", "--use-env", *line[2:]]):
+        assert rendezvous_of(joined) == found, joined
     assert (found.keep_alive_interval_s, found.keep_alive_max_attempt, found.local_addr) == \
         (5.0, 3, None)  # torch's defaults
     conf = "--rdzv_conf=join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4"
@@ -310,6 +313,10 @@ def test_the_rendezvous_is_read_from_the_agent_command_line():
     environ = {"RANK": "0", "WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "3"}
     env = DistEnv.from_environ(environ, launcher_argv=line)
     assert env.rendezvous == found and env.group_world_size == 3
+    assert why_no_rendezvous(["/bin/bash", "-c", "true; python -m elastic_mnist train"], 42) == \
+        "the worker's parent (pid 42, `bash`) is not a torchrun agent whose --rdzv_endpoint it " \
+        "can read"
+    assert "not a multi-node c10d one" in why_no_rendezvous([*line[:2], "--nnodes=1"], 42)
 
 
 def test_the_exit_barrier_is_released_for_the_agents_that_are_gone(store):
