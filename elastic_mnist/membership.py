@@ -465,7 +465,10 @@ class Membership(NullMembership):
         sending them for good once its own has lapsed in the store (a store that stalls, a
         machine starved of CPU; see :meth:`RendezvousReader.renew`). So each node's local rank
         0, while its agent lives, renews the keep-alives of every agent of the generation's
-        ranks where they are nearly lapsed (a node that is gone has no rank left among them).
+        ranks where they are nearly lapsed (a node that is gone has no rank left among them),
+        but for agents that are dead while their workers live on (an agent SIGKILLed alone:
+        torchrun starts its workers in sessions of their own): each rank whose parent is no
+        longer its agent says so in the store, and that agent is left to lapse.
 
         When the rendezvous has dropped every agent of a round all the same, the next node to
         come starts a new round alone and trains beside the job, into its folders, while the
@@ -480,17 +483,25 @@ class Membership(NullMembership):
         lapse_s = rdzv.keep_alive_interval_s * rdzv.keep_alive_max_attempt
         renew_after_s = lapse_s - rdzv.keep_alive_interval_s / 2
         agents: tuple[int, set[tuple[str, int]]] = (-1, set())
+        orphaned = said_orphaned = False
         while not self._closed:
-            keeper = self.env.local_rank == 0 and os.getppid() == self.identity.agent
+            orphaned = orphaned or os.getppid() != self.identity.agent
+            keeper = self.env.local_rank == 0 and not orphaned
             time.sleep(min(ROUND_CHECK_S, rdzv.keep_alive_interval_s) if keeper
                        else ROUND_CHECK_S)
             try:
+                if orphaned and not said_orphaned:
+                    self._connections.declare.set(_dead_agent_key(
+                        (self.identity.agent_addr, self.identity.agent)), str(self.env.rank))
+                    said_orphaned = True
+                    log.warning("this node's torchrun agent (pid %d) is gone: the other nodes "
+                                "no longer keep it in the rendezvous", self.identity.agent)
                 state, token = reader.read()
                 renewed = None
                 if keeper and state.round == self.round:
                     if agents[0] != self.generation:
                         agents = self._member_agents()
-                    renewed = reader.renew(state, token, agents[1], renew_after_s)
+                    renewed = reader.renew(state, token, self._living(agents[1]), renew_after_s)
             except Exception:  # noqa: BLE001, S112 - the store stalls or went (torch's
                 continue  # rendezvous errors are no RuntimeError): the loop's own waits tell
             if self._closed:
@@ -514,6 +525,11 @@ class Membership(NullMembership):
         if UNKNOWN in found or generation != self.generation:
             return -1, set()
         return generation, {(i.agent_addr, i.agent) for i in found}
+
+    def _living(self, agents: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        """``agents`` but those that their own workers found dead (see :meth:`_guard_round`)."""
+        store = self._connections.declare
+        return {agent for agent in agents if not store.check([_dead_agent_key(agent)])}
 
     def _give_up(self) -> None:
         log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
@@ -566,6 +582,11 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
             break
         time.sleep(0.005)
     return json.loads(store.get(key))
+
+
+def _dead_agent_key(agent: tuple[str, int]) -> str:
+    """Where a worker whose agent (name in the rendezvous, pid) died says so."""
+    return f"dead-agent/{agent[0]}/{agent[1]}"
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:

@@ -262,6 +262,85 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
         agent.shutdown()
 
 
+ORPHAN = """import os, sys, time
+import torch
+from torch.distributed import PrefixStore, TCPStore
+from elastic_mnist import membership
+from elastic_mnist.env import DistEnv, rendezvous_of
+
+membership.ROUND_CHECK_S = 0.05
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+store.wait(["go"])
+env = DistEnv(rank=1, world_size=2, launched=True, rendezvous=rendezvous_of(
+    ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{sys.argv[1]}",
+     "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
+member = membership.Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x", store),
+                               generation=0, pg_timeout_s=10, bound_s=60)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, monkeypatch):
+    """torchrun starts its workers in sessions of their own: SIGKILL of an agent alone leaves its
+    worker training, a member still. Its keep-alive is not renewed by the other node's local
+    rank 0 (which renews its own agent's), so the rendezvous drops it: the orphan, whose parent
+    is no longer its agent, said so in the store."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastic_mnist import membership
+
+    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    worker = shlex.join([sys.executable, "-c", ORPHAN, str(store.port)])
+    agent = subprocess.Popen(["bash", "-c", f"{worker} & wait"], stdout=subprocess.PIPE,
+                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    ours, theirs = _NodeDesc(socket.getfqdn(), os.getppid(), 0), _NodeDesc("n2.example",
+                                                                          agent.pid, 0)
+    backend = C10dRendezvousBackend(store, "job7")
+    state = _RendezvousState()
+    state.round, state.complete = 3, True
+    for rank, node in enumerate((ours, theirs)):
+        state.participants[node] = rank
+        state.last_heartbeats[node] = datetime.datetime.now(datetime.timezone.utc)
+    backend.set_state(pickle.dumps(state))
+    store.set("go", "1")
+    orphan = int(agent.stdout.readline())  # its membership is up
+    env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:"
+         f"{store.port}", "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1",
+         "-m", "elastic_mnist", "train"]))
+    member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
+                                                              store.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    try:
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while not store.check([f"elastic_mnist/job7/x/dead-agent/n2.example/{agent.pid}"]):
+            assert time.monotonic() < deadline, "the orphan did not say its agent is dead"
+            time.sleep(0.05)
+        state, token = backend.get_state()
+        state = pickle.loads(state)
+        lapsed_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=20)
+        state.last_heartbeats.update(dict.fromkeys((ours, theirs), lapsed_at))
+        backend.set_state(pickle.dumps(state), token)
+        while pickle.loads(backend.get_state()[0]).last_heartbeats[ours] == lapsed_at:
+            assert time.monotonic() < deadline + 10, "this node's agent was not renewed"
+            time.sleep(0.05)
+        assert pickle.loads(backend.get_state()[0]).last_heartbeats[theirs] == lapsed_at
+    finally:
+        member.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
 def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
     member = members()
     done, failing = torch.futures.Future(), torch.futures.Future()
