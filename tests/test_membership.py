@@ -230,9 +230,9 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
                          last_call_timeout="1", keep_alive_interval="60")  # never renews
     assert agent.next_rendezvous().rank == 0
     env = DistEnv(rank=0, world_size=1, launched=True, rendezvous=rendezvous_of(
-        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:"
-         f"{store.port}", "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1",
-         "-m", "elastic_mnist", "train"]))
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
+         f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
+         "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
     reader = membership.RendezvousReader(store, "job7")
     (joined_at,) = reader.read()[0].last_heartbeats.values()
     member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
@@ -313,9 +313,9 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
     store.set("go", "1")
     orphan = int(agent.stdout.readline())  # its membership is up
     env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
-        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:"
-         f"{store.port}", "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1",
-         "-m", "elastic_mnist", "train"]))
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
+         f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
+         "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
     member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
                                                               store.clone()),
                         generation=0, pg_timeout_s=10, bound_s=60)
