@@ -540,16 +540,19 @@ class Membership(NullMembership):
 
     def release_agents(self) -> None:
         """Arrives at torchrun's exit barrier for the agents that never will (a change removed
-        them: their node died, left, or froze), so that the surviving agents exit as soon as
-        their workers have, instead of waiting ``exit_barrier_timeout`` (300 s) for them. Rank
-        0 does it, once, at the end; after a run without a change, for none (an arrival for a
-        live agent opens the barrier early: the agent serving the store may then exit while
-        another still watches its workers)."""
-        missing = self.gone_agents
-        if missing <= 0 or not self.env.is_main or self.env.rendezvous is None:
+        them: their node died, left, or froze; or they died alone, their workers still members),
+        so that the surviving agents exit as soon as their workers have, instead of waiting
+        ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end; after a run
+        without a change, for none (an arrival for a live agent opens the barrier early: the
+        agent serving the store may then exit while another still watches its workers)."""
+        if not self.env.is_main or self.env.rendezvous is None:
             return
         run_id = self.env.rendezvous.run_id
         try:
+            members = self._member_agents()[1]
+            missing = self.gone_agents + len(members - self._living(members))
+            if missing <= 0:
+                return
             round_ = rendezvous_round(self.store, run_id)
             if round_ != self.round:
                 raise ValueError(f"the rendezvous is in round {round_}, this job's agents were "

@@ -286,7 +286,8 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
     """torchrun starts its workers in sessions of their own: SIGKILL of an agent alone leaves its
     worker training, a member still. Its keep-alive is not renewed by the other node's local
     rank 0 (which renews its own agent's), so the rendezvous drops it: the orphan, whose parent
-    is no longer its agent, said so in the store."""
+    is no longer its agent, said so in the store. At the end rank 0 arrives for it at the exit
+    barrier."""
     import shlex
     import signal
     import subprocess
@@ -335,6 +336,10 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
             assert time.monotonic() < deadline + 10, "this node's agent was not renewed"
             time.sleep(0.05)
         assert pickle.loads(backend.get_state()[0]).last_heartbeats[theirs] == lapsed_at
+        # At the end, rank 0 arrives at torchrun's exit barrier for the dead agent, who never will.
+        member.release_agents()
+        barrier = PrefixStore("torch.rendezvous.job7.3", store.clone())
+        assert barrier.add("torchelastic/agent/terminal_state/num_members", 0) == 1
     finally:
         member.close()
         with contextlib.suppress(ProcessLookupError):
