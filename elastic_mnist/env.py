@@ -180,15 +180,40 @@ def agent_command_line(pid: int | None = None) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0")[:-1]]
 
 
-def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:
-    """The multi-node c10d rendezvous in a torchrun command line (``torchrun ARGS`` or
-    ``python -m torch.distributed.run ARGS``), parsed as torchrun parses it (its ``PET_*``
-    variables included); None when there is none to outlive a node."""
+LAUNCHER_MODULES = ("torch.distributed.run", "torch.distributed.launch")
+"""Modules that start torchrun's agent (``python -m MODULE``; ``launch`` is its deprecated
+name, with the same arguments and one more)."""
+
+
+def torchrun_arguments(argv: Sequence[str]) -> list[str] | None:
+    """The arguments of a torchrun command line (``torchrun ARGS``, ``python -m
+    torch.distributed.run ARGS``, ``python -mtorch.distributed.run ARGS``, the same with
+    ``torch.distributed.launch``); None when ``argv`` starts no torchrun agent."""
     argv = list(argv)
-    start = next((i + 1 for i, arg in enumerate(argv)
-                  if Path(arg).name == "torchrun"
-                  or (arg == "torch.distributed.run" and i > 0 and argv[i - 1] == "-m")), None)
-    if start is None:
+    for i, arg in enumerate(argv):
+        module = arg.removeprefix("-m") in LAUNCHER_MODULES and (
+            arg.startswith("-m") or (i > 0 and argv[i - 1] == "-m"))
+        if module or Path(arg).name == "torchrun":
+            return argv[i + 1:]
+    return None
+
+
+def why_no_rendezvous(argv: Sequence[str], pid: int) -> str:
+    """Why the command line ``argv`` of the worker's parent ``pid`` gives no multi-node c10d
+    rendezvous (:func:`rendezvous_of`), in words."""
+    if torchrun_arguments(argv) is None:
+        return (f"the worker's parent (pid {pid}, `{Path(argv[0]).name if argv else '?'}`) is "
+                f"not a torchrun agent whose --rdzv_endpoint it can read")
+    return ("its torchrun agent's rendezvous is not a multi-node c10d one "
+            "(--rdzv_backend=c10d, --rdzv_endpoint, --nnodes above 1)")
+
+
+def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:
+    """The multi-node c10d rendezvous in a torchrun command line (:func:`torchrun_arguments`),
+    parsed as torchrun parses it (its ``PET_*`` variables included); None when there is none
+    to outlive a node."""
+    arguments = torchrun_arguments(argv)
+    if arguments is None:
         return None
     from torch.distributed.elastic.rendezvous.utils import (  # only under torchrun: torch is there
         _parse_rendezvous_config,  # torchrun's own parser of --rdzv_conf
@@ -197,7 +222,7 @@ def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:
     from torch.distributed.run import get_args_parser
 
     try:
-        args, _ = get_args_parser().parse_known_args(argv[start:])
+        args, _ = get_args_parser().parse_known_args(arguments)
         host, port = parse_rendezvous_endpoint(args.rdzv_endpoint, default_port=29400)
         conf = _parse_rendezvous_config(args.rdzv_conf)
         keep_alive = (float(conf.get("keep_alive_interval") or 5),

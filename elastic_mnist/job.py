@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
 import platform
 import secrets
 import shlex
@@ -39,7 +40,7 @@ from elastic_mnist.data.datasets import (
 )
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.distributed import backend_for
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
 from elastic_mnist.events import EventLog
 from elastic_mnist.faults import Faults
 from elastic_mnist.logs import add_file_handler, setup_logging
@@ -229,14 +230,19 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
     can (``--recovery``, a multi-node c10d rendezvous, a store that answers on every rank);
     else the restart path: every fault restarts the job through torchrun."""
     wanted = cfg.run.recovery
+    unread = unread_rendezvous(env) if wanted != "restart" else None
+    # Every rank takes the same path (a wrapper may hide the agent on some nodes only).
+    everywhere = wanted == "restart" or distributed.all_agree(env.rendezvous is not None, device)
     reason = ("--recovery restart" if wanted == "restart" else
+              unread if unread is not None else
               "one node: torchrun restarts its workers together" if env.rendezvous is None else
+              "another node's worker cannot read its agent's rendezvous" if not everywhere else
               "the watchdog is off (--hang-timeout 0)" if cfg.run.hang_timeout <= 0 else
               "NCCL recovers by restart until it has run on GPUs (--recovery in-process to try)"
               if wanted == "auto" and backend_for(device) == "nccl" else None)
     if reason is not None:
-        (log.warning if wanted == "in-process" else log.info)(
-            "faults are recovered by a restart: %s", reason)
+        say_it = wanted == "in-process" or (unread is not None and env.is_local_main)
+        (log.warning if say_it else log.info)("faults are recovered by a restart: %s", reason)
         return NullMembership()
     rdzv = env.rendezvous
     launch = distributed.broadcast_object(secrets.token_hex(8), src=0, device=device)
@@ -253,6 +259,21 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout)
+
+
+def unread_rendezvous(env: DistEnv) -> str | None:
+    """Why a launch over several nodes has no rendezvous to recover through, in words; None
+    where it has one, or runs on one node. Several nodes: ``GROUP_WORLD_SIZE``, or, where the
+    agent's command line cannot be read (a wrapper that forks), a rendezvous id of the user's
+    (``--standalone`` names each launch with a fresh uuid4, one node's default rendezvous is
+    ``none``)."""
+    if env.rendezvous is not None or not env.launched:
+        return None
+    argv = agent_command_line()
+    named = env.run_id is not None and not is_generated_id(env.run_id)
+    if env.group_world_size > 1 or (named and torchrun_arguments(argv) is None):
+        return why_no_rendezvous(argv, os.getppid())
+    return None
 
 
 def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: DistEnv) -> int:

@@ -100,8 +100,9 @@ class Identity:
     """The agent's pid: workers of one node share it."""
     local_rank: int
     agent_addr: str = ""
-    """The agent's name in the rendezvous (``--local_addr``, else its host's fully qualified
-    name); empty without a multi-node rendezvous."""
+    """The agent's name in the rendezvous, as its state names the participant of the agent's
+    pid (``--local_addr``, else the agent's own resolver's name for its host); empty without a
+    multi-node rendezvous."""
 
 
 UNKNOWN = Identity("unknown", 0, 0, 0)
@@ -227,11 +228,12 @@ class Membership(NullMembership):
         self.bound_s = bound_s
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
-        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
-                                 agent_addr=(env.rendezvous.local_addr or socket.getfqdn())
-                                 if env.rendezvous is not None else "")
-        self.agents = {(self.identity.host, self.identity.agent)}
-        """The agents of the current generation's members."""
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
+        self.agents: set[tuple[str, int]] | None = None
+        """The agents of the current generation's members; None until a change: the launch's."""
+        self.gone_agents = 0
+        """Agents of the launch's round that changes removed (no rank of theirs is left): they
+        never come to torchrun's exit barrier."""
         self.faulted = None
         self.broken = None
         self._lock = threading.RLock()
@@ -241,9 +243,11 @@ class Membership(NullMembership):
         self._closed = False
         self._connections = Connections.open(store)
         self._watcher: threading.Thread | None = None
-        self.round = (rendezvous_round(self.store, env.rendezvous.run_id)
-                      if env.rendezvous is not None else None)
+        self.round: int | None = None
         """The rendezvous round this process's agent is in: see :meth:`_guard_round`."""
+        if env.rendezvous is not None:
+            self.round, agent_addr = self._own_round()
+            self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
         self._start_generation()
         if self.round is not None:
             threading.Thread(target=self._guard_round, daemon=True,
@@ -412,7 +416,10 @@ class Membership(NullMembership):
             # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
             dist.destroy_process_group()
         self.env, self.generation = change.env, change.generation
-        self.agents = {(identities[r].host, identities[r].agent) for r in members}
+        agents = {(identities[r].host, identities[r].agent) for r in members}
+        self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
+            - len(agents)
+        self.agents = agents
         with self._lock:
             self.faulted = self.broken = None
         self._start_generation()
@@ -433,6 +440,23 @@ class Membership(NullMembership):
             self._deadline.cancel()
             self._deadline = None
 
+    def _own_round(self) -> tuple[int, str]:
+        """The rendezvous round this process's agent is in, and the agent's name there (torch
+        names it by its own host's name, which this process's resolver may not give back).
+        Leaves at once, writing nothing, when the current round does not list the agent: its
+        keep-alives lapsed, the rendezvous dropped it, and a round that another node started
+        is no round of this process's (see :meth:`_guard_round`)."""
+        rdzv = self.env.rendezvous
+        state, _ = RendezvousReader(self.store, rdzv.run_id).read()
+        name = agent_name(state, self.identity.agent,
+                          [rdzv.local_addr or socket.getfqdn(), platform.node()])
+        if name is None:
+            log.error("the rendezvous is in round %d, which does not list this node's torchrun "
+                      "agent (pid %d; its keep-alives lapsed): leaving, so that torchrun "
+                      "restarts this node into the job", state.round, self.identity.agent)
+            end_process(EXIT_GAVE_UP)
+        return state.round, name
+
     def _guard_round(self) -> None:
         """Keeps this process's agent in the rendezvous, and leaves at once when the rendezvous
         has moved on to a round without it.
@@ -441,7 +465,10 @@ class Membership(NullMembership):
         sending them for good once its own has lapsed in the store (a store that stalls, a
         machine starved of CPU; see :meth:`RendezvousReader.renew`). So each node's local rank
         0, while its agent lives, renews the keep-alives of every agent of the generation's
-        ranks where they are nearly lapsed (a node that is gone has no rank left among them).
+        ranks where they are nearly lapsed (a node that is gone has no rank left among them),
+        but for agents that are dead while their workers live on (an agent SIGKILLed alone:
+        torchrun starts its workers in sessions of their own): each rank whose parent is no
+        longer its agent says so in the store, and that agent is left to lapse.
 
         When the rendezvous has dropped every agent of a round all the same, the next node to
         come starts a new round alone and trains beside the job, into its folders, while the
@@ -456,17 +483,25 @@ class Membership(NullMembership):
         lapse_s = rdzv.keep_alive_interval_s * rdzv.keep_alive_max_attempt
         renew_after_s = lapse_s - rdzv.keep_alive_interval_s / 2
         agents: tuple[int, set[tuple[str, int]]] = (-1, set())
+        orphaned = said_orphaned = False
         while not self._closed:
-            keeper = self.env.local_rank == 0 and os.getppid() == self.identity.agent
+            orphaned = orphaned or os.getppid() != self.identity.agent
+            keeper = self.env.local_rank == 0 and not orphaned
             time.sleep(min(ROUND_CHECK_S, rdzv.keep_alive_interval_s) if keeper
                        else ROUND_CHECK_S)
             try:
+                if orphaned and not said_orphaned:
+                    self._connections.declare.set(_dead_agent_key(
+                        (self.identity.agent_addr, self.identity.agent)), str(self.env.rank))
+                    said_orphaned = True
+                    log.warning("this node's torchrun agent (pid %d) is gone: the other nodes "
+                                "no longer keep it in the rendezvous", self.identity.agent)
                 state, token = reader.read()
                 renewed = None
                 if keeper and state.round == self.round:
                     if agents[0] != self.generation:
                         agents = self._member_agents()
-                    renewed = reader.renew(state, token, agents[1], renew_after_s)
+                    renewed = reader.renew(state, token, self._living(agents[1]), renew_after_s)
             except Exception:  # noqa: BLE001, S112 - the store stalls or went (torch's
                 continue  # rendezvous errors are no RuntimeError): the loop's own waits tell
             if self._closed:
@@ -491,6 +526,11 @@ class Membership(NullMembership):
             return -1, set()
         return generation, {(i.agent_addr, i.agent) for i in found}
 
+    def _living(self, agents: set[tuple[str, int]]) -> set[tuple[str, int]]:
+        """``agents`` but those that their own workers found dead (see :meth:`_guard_round`)."""
+        store = self._connections.declare
+        return {agent for agent in agents if not store.check([_dead_agent_key(agent)])}
+
     def _give_up(self) -> None:
         log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
                   "restarts the job from its last checkpoint", self.bound_s)
@@ -499,14 +539,20 @@ class Membership(NullMembership):
     # --- the job's end ----------------------------------------------------------------------------
 
     def release_agents(self) -> None:
-        """Arrives at torchrun's exit barrier for the agents that never will (their node died,
-        left, or froze), so that the surviving agents exit as soon as their workers have, instead
-        of waiting ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end."""
-        missing = self.launch_agents - len(self.agents)
-        if missing <= 0 or not self.env.is_main or self.env.rendezvous is None:
+        """Arrives at torchrun's exit barrier for the agents that never will (a change removed
+        them: their node died, left, or froze; or they died alone, their workers still members),
+        so that the surviving agents exit as soon as their workers have, instead of waiting
+        ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end; after a run
+        without a change, for none (an arrival for a live agent opens the barrier early: the
+        agent serving the store may then exit while another still watches its workers)."""
+        if not self.env.is_main or self.env.rendezvous is None:
             return
         run_id = self.env.rendezvous.run_id
         try:
+            members = self._member_agents()[1]
+            missing = self.gone_agents + len(members - self._living(members))
+            if missing <= 0:
+                return
             round_ = rendezvous_round(self.store, run_id)
             if round_ != self.round:
                 raise ValueError(f"the rendezvous is in round {round_}, this job's agents were "
@@ -539,6 +585,11 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
             break
         time.sleep(0.005)
     return json.loads(store.get(key))
+
+
+def _dead_agent_key(agent: tuple[str, int]) -> str:
+    """Where a worker whose agent (name in the rendezvous, pid) died says so."""
+    return f"dead-agent/{agent[0]}/{agent[1]}"
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:
@@ -622,6 +673,19 @@ class RendezvousReader:
         written = self._backend.set_state(pickle.dumps(state), token)
         return (len(lapsing), max(lapsing.values())) if written is not None and written[2] \
             else None
+
+
+def agent_name(state: Any, pid: int, names: list[str]) -> str | None:
+    """The name this host's torchrun agent of pid ``pid`` goes by among the participants of the
+    rendezvous ``state`` (torch's ``_NodeDesc``: the agent's ``--local_addr`` or its host's fully
+    qualified name, its pid): the only participant of that pid, else the one of them named as
+    this host is (``names``), else ``names[0]``. None when no participant has that pid: the round
+    does not list the agent."""
+    mine = [node.addr for node in state.participants if node.pid == pid]
+    if not mine:
+        return None
+    named = [addr for addr in mine if addr in names]
+    return mine[0] if len(mine) == 1 else named[0] if len(named) == 1 else names[0]
 
 
 def rendezvous_round(store: dist.Store, run_id: str) -> int:

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_mnist.env import DistEnv, rendezvous_of
+from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.membership import (
     Fault,
     Identity,
@@ -188,6 +188,164 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         member.close()
 
 
+def c10d_handler(port: int, run_id: str, **conf: str):
+    """torch's own c10d rendezvous handler, as an agent makes it (``--rdzv_conf`` in ``conf``)."""
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+    params = RendezvousParameters(backend="c10d", endpoint=f"127.0.0.1:{port}", run_id=run_id,
+                                  min_nodes=1, max_nodes=2, is_host="false", **conf)
+    return create_handler(*reversed(create_backend(params)), params)
+
+
+JOINER = """import sys
+from test_membership import c10d_handler
+c10d_handler(int(sys.argv[1]), "job7", local_addr="joiner.example", last_call_timeout="1",
+             keep_alive_interval="1", keep_alive_max_attempt="2").next_rendezvous()
+"""
+
+
+@pytest.mark.slow
+def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeypatch, caplog):
+    """Real torch handlers. This process's agent is named in the rendezvous otherwise than this
+    host's resolver names it (its --local_addr, or a flaky resolver): the worker finds it by its
+    pid and renews its keep-alive under its own name. Then its keep-alives lapse (a start-up
+    stall) and a node that comes alone makes round 1 without it: a worker that starts then
+    refuses that round, leaves at once in one line and writes nothing."""
+    import subprocess
+    import sys
+
+    from elastic_mnist import membership
+
+    monkeypatch.setattr(os, "getppid", os.getpid)  # the handler below is this process's agent
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store of its own to serve
+    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+
+    def leave(code: int):
+        raise SystemExit(code)
+
+    monkeypatch.setattr(membership, "end_process", leave)
+    agent = c10d_handler(store.port, "job7", local_addr="agent-a.example",
+                         last_call_timeout="1", keep_alive_interval="60")  # never renews
+    assert agent.next_rendezvous().rank == 0
+    env = DistEnv(rank=0, world_size=1, launched=True, rendezvous=rendezvous_of(
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
+         f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
+         "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
+    reader = membership.RendezvousReader(store, "job7")
+    (joined_at,) = reader.read()[0].last_heartbeats.values()
+    member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
+                                                              store.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    try:
+        assert (member.round, member.identity.agent_addr) == (0, "agent-a.example")
+        deadline = time.monotonic() + 10
+        while reader.read()[0].last_heartbeats[next(iter(reader.read()[0].participants))] \
+                == joined_at:  # renewed past 2.5 s (the lapse at 3)
+            assert time.monotonic() < deadline, "the agent's keep-alive was not renewed"
+            time.sleep(0.1)
+    finally:
+        member.close()
+    subprocess.run([sys.executable, "-c", JOINER, str(store.port)], check=True, timeout=60,
+                   cwd=os.path.dirname(__file__))
+    state = reader.read()[0]
+    assert state.round == 1 and [n.addr for n in state.participants] == ["joiner.example"]
+    with pytest.raises(SystemExit) as left:
+        Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/y", store.clone()),
+                   generation=0, pg_timeout_s=10, bound_s=60)
+    assert left.value.code == membership.EXIT_GAVE_UP
+    assert "the rendezvous is in round 1, which does not list this node's torchrun agent" in \
+        caplog.text
+    assert not store.check(["elastic_mnist/job7/y/g0/id/0"])  # nothing written
+    with contextlib.suppress(Exception):
+        agent.shutdown()
+
+
+ORPHAN = """import os, sys, time
+import torch
+from torch.distributed import PrefixStore, TCPStore
+from elastic_mnist import membership
+from elastic_mnist.env import DistEnv, rendezvous_of
+
+membership.ROUND_CHECK_S = 0.05
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+store.wait(["go"])
+env = DistEnv(rank=1, world_size=2, launched=True, rendezvous=rendezvous_of(
+    ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{sys.argv[1]}",
+     "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
+member = membership.Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x", store),
+                               generation=0, pg_timeout_s=10, bound_s=60)
+print(os.getpid(), flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.slow
+def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, monkeypatch):
+    """torchrun starts its workers in sessions of their own: SIGKILL of an agent alone leaves its
+    worker training, a member still. Its keep-alive is not renewed by the other node's local
+    rank 0 (which renews its own agent's), so the rendezvous drops it: the orphan, whose parent
+    is no longer its agent, said so in the store. At the end rank 0 arrives for it at the exit
+    barrier."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastic_mnist import membership
+
+    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    worker = shlex.join([sys.executable, "-c", ORPHAN, str(store.port)])
+    agent = subprocess.Popen(["bash", "-c", f"{worker} & wait"], stdout=subprocess.PIPE,
+                             text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
+    ours, theirs = _NodeDesc(socket.getfqdn(), os.getppid(), 0), _NodeDesc("n2.example",
+                                                                          agent.pid, 0)
+    backend = C10dRendezvousBackend(store, "job7")
+    state = _RendezvousState()
+    state.round, state.complete = 3, True
+    for rank, node in enumerate((ours, theirs)):
+        state.participants[node] = rank
+        state.last_heartbeats[node] = datetime.datetime.now(datetime.timezone.utc)
+    backend.set_state(pickle.dumps(state))
+    store.set("go", "1")
+    orphan = int(agent.stdout.readline())  # its membership is up
+    env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
+        ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
+         f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
+         "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
+    member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
+                                                              store.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    try:
+        os.kill(agent.pid, signal.SIGKILL)
+        agent.wait()
+        deadline = time.monotonic() + 10
+        while not store.check([f"elastic_mnist/job7/x/dead-agent/n2.example/{agent.pid}"]):
+            assert time.monotonic() < deadline, "the orphan did not say its agent is dead"
+            time.sleep(0.05)
+        state, token = backend.get_state()
+        state = pickle.loads(state)
+        lapsed_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=20)
+        state.last_heartbeats.update(dict.fromkeys((ours, theirs), lapsed_at))
+        backend.set_state(pickle.dumps(state), token)
+        while pickle.loads(backend.get_state()[0]).last_heartbeats[ours] == lapsed_at:
+            assert time.monotonic() < deadline + 10, "this node's agent was not renewed"
+            time.sleep(0.05)
+        assert pickle.loads(backend.get_state()[0]).last_heartbeats[theirs] == lapsed_at
+        # At the end, rank 0 arrives at torchrun's exit barrier for the dead agent, who never will.
+        member.release_agents()
+        barrier = PrefixStore("torch.rendezvous.job7.3", store.clone())
+        assert barrier.add("torchelastic/agent/terminal_state/num_members", 0) == 1
+    finally:
+        member.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+
+
 def test_a_failed_collective_fails_its_wait_and_marks_the_group_broken(members):
     member = members()
     done, failing = torch.futures.Future(), torch.futures.Future()
@@ -220,6 +378,9 @@ def test_the_rendezvous_is_read_from_the_agent_command_line():
         ("head", 29400, "job7", "head:29400")
     module = ["python", "-m", "torch.distributed.run", *line[2:]]
     assert rendezvous_of(module) == found
+    for joined in (["python", "-mtorch.distributed.run", *line[2:]],  # tests/launch.py's way
+                   ["python", "-u", "-m", "torch.distributed.launch", "--use-env", *line[2:]]):
+        assert rendezvous_of(joined) == found, joined
     assert (found.keep_alive_interval_s, found.keep_alive_max_attempt, found.local_addr) == \
         (5.0, 3, None)  # torch's defaults
     conf = "--rdzv_conf=join_timeout=600,keep_alive_interval=1,keep_alive_max_attempt=4"
@@ -236,6 +397,10 @@ def test_the_rendezvous_is_read_from_the_agent_command_line():
     environ = {"RANK": "0", "WORLD_SIZE": "1", "GROUP_WORLD_SIZE": "3"}
     env = DistEnv.from_environ(environ, launcher_argv=line)
     assert env.rendezvous == found and env.group_world_size == 3
+    assert why_no_rendezvous(["/bin/bash", "-c", "true; python -m elastic_mnist train"], 42) == \
+        "the worker's parent (pid 42, `bash`) is not a torchrun agent whose --rdzv_endpoint it " \
+        "can read"
+    assert "not a multi-node c10d one" in why_no_rendezvous([*line[:2], "--nnodes=1"], 42)
 
 
 def test_the_exit_barrier_is_released_for_the_agents_that_are_gone(store):

@@ -161,6 +161,67 @@ def test_a_peer_frozen_as_ddp_regroups_its_buckets_costs_the_hang_timeout(tiny_d
     assert max(e["step"] for e in events if e["event"] == "checkpoint") == 10
 
 
+@pytest.mark.parametrize("store_host", ["first", "last"])
+def test_a_run_without_faults_leaves_the_exit_barrier_to_the_agents(tiny_digits, tmp_path,
+                                                                    store_host):
+    """The README's two-node plain torchrun line (node 0's agent serves the store), nothing
+    lost, the store's host started first or last: rank 0 arrives at the exit barrier for no
+    agent (an arrival for a live one opens it early, and the store's host may then exit while
+    the other agent still watches its workers), and every torchrun exits 0."""
+    from shared_runs import args_for
+
+    port = free_port()
+    args = args_for(tiny_digits, tmp_path, "--run-id", "calm", "--max-steps", "3",
+                    "--checkpoint-every", "0")
+    order = (True, False) if store_host == "first" else (False, True)
+    agents = []
+    for i, host in enumerate(order):
+        agents.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+             "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=calm",
+             f"--rdzv_conf=join_timeout=60,last_call_timeout=2,is_host={str(host).lower()}",
+             "--monitor_interval=0.2", "-m", "elastic_mnist", *args],
+            env=clean_env(), stdout=(tmp_path / f"agent{i}.log").open("w"),
+            stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(0.5)
+
+    def logs() -> str:
+        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+
+    try:
+        assert [agent.wait(timeout=120) for agent in agents] == [0, 0], logs()
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    assert "arrived at the exit barrier" not in logs()
+    (start,) = [e for e in read_events(tmp_path / "runs" / "calm" / "events.jsonl")
+                if e["event"] == "start"]
+    assert (start["world_size"], start["recovery"]) == (2, "in-process")
+
+
+def test_a_wrapper_that_hides_the_agent_is_named_at_start(tiny_digits, tmp_path):
+    """A wrapper between torchrun's agent and the worker, one that forks (`torchrun --no-python
+    bash -c "...; python -m elastic_mnist train ..."`, as `nsys profile` or a site's wrapper
+    script): the worker's parent is the wrapper, whose command line names no rendezvous, so
+    faults are recovered by a restart. The node's first worker says so at start, naming why."""
+    import shlex
+
+    from shared_runs import args_for
+
+    port = free_port()
+    worker = shlex.join([sys.executable, "-m", "elastic_mnist", *args_for(
+        tiny_digits, tmp_path, "--run-id", "wrapped", "--max-steps", "1")])
+    done = run([sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2",
+                "--nproc_per_node=2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+                "--rdzv_id=wrapped", "--rdzv_conf=last_call_timeout=1", "--monitor_interval=0.2",
+                "--no-python", "bash", "-c", f"{worker}; exit $?"], timeout=120)
+    assert done.returncode == 0, done.stdout
+    said = [line for line in done.stdout.splitlines() if "recovered by a restart" in line]
+    assert len(said) == 1 and "[rank 0] WARNING" in said[0], done.stdout
+    assert "the worker's parent (pid " in said[0] and ", `bash`) is not a torchrun agent whose " \
+        "--rdzv_endpoint it can read" in said[0]
+
+
 def test_what_survivors_rely_on_from_torchrun_and_gloo(tmp_path):
     """Two plain torchrun agents, one worker each (tests/programs/frozen_peer.py): rank 1 freezes.
 

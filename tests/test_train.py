@@ -69,6 +69,8 @@ def test_make_train_line_runs_via_jobs_local(tiny_digits, tmp_path):
     done = run([str(REPO / "jobs" / "local.sh"), *args], env=env)
     assert done.returncode == 0, done.stdout
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in done.stdout  # set: nothing to warn about
+    (said,) = [text for text in done.stdout.splitlines() if "recovered by a restart" in text]
+    assert "INFO faults are recovered by a restart: one node" in said  # --standalone
     assert inspect(tmp_path / "ckpt")["checkpoints"][0]["step"] == 3
 
 
