@@ -504,7 +504,7 @@ class Membership(NullMembership):
         # never came (until the group's timeout): this one then takes a connection of its own.
         shared = self._group_idle.acquire(blocking=False)
         connection = self._connections.group if shared else self.store.clone()
-        generation = self.generation
+        generation, env = self.generation, self.env
 
         def create() -> None:
             try:
@@ -513,7 +513,7 @@ class Membership(NullMembership):
                 dist.init_process_group(
                     backend=backend_for(self.device), timeout=self.pg_timeout,
                     store=dist.PrefixStore(self._key("pg", generation), connection),
-                    rank=self.env.rank, world_size=self.env.world_size,
+                    rank=env.rank, world_size=env.world_size,
                     device_id=self.device if self.device.type == "cuda" else None)
             finally:
                 if shared:
@@ -526,7 +526,9 @@ class Membership(NullMembership):
         """``work()``, the collectives of a recovery's ``phase``, in a thread of its own, waited
         on as a guarded collective: the wait fails (PeerFailure) when ``work`` raises, and when a
         fault is declared in this generation, which this thread does itself when a member's
-        pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout)."""
+        pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
+        it completes only if the member it waits for comes back to life, and that one, dropped,
+        leaves (exit 124), so that torchrun restarts the job anyway."""
         self.phase = phase
         done: torch.futures.Future = torch.futures.Future()
 
