@@ -12,7 +12,8 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard chaos chaos32 lint clean bench slurm-check
+.PHONY: install train test test-fast tensorboard chaos chaos32 recovery-soak lint clean bench \
+	slurm-check
 
 install: $(STAMP)
 
@@ -63,6 +64,14 @@ chaos32: $(STAMP)
 	$(BIN)/python scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
 		--schedule 10:kill-node:3,40:join --global-batch-size 512 --steps 300 --no-reference \
 		$(CHAOS_ARGS)
+
+# The card's shape's node loss again and again: 4 nodes of 8 workers, a node SIGKILLed, REPEATS
+# times (about 2 minutes each on 2 cores); each run recovered in process, or the phase of the
+# recovery that failed and why. SOAK=kill-torchrun REPEATS=1 is a 2 × 2 smoke of it.
+SOAK    ?= kill-32
+REPEATS ?= 10
+recovery-soak: $(STAMP)
+	$(BIN)/python scripts/recovery.py --soak $(SOAK) --repeats $(REPEATS)
 
 # make bench: every contender on this machine (scripts/bench.py), then the README's table
 # (BENCH_ARGS="--real-data DIR" adds the real digits' rows).

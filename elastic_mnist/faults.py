@@ -8,9 +8,18 @@
     stall@STEP:RANK      that rank's training thread waits forever as it begins step STEP, as a
                          deadlocked one would: its other threads run on
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
+    die@STEP:RANK        that rank kills its own node as it begins step STEP: its agent (its
+                         parent), then itself, with SIGKILL
+    busy@STEP:RANK       in the first recovery in process from step STEP on (a fault in that
+                         step or later), that rank checks in BUSY_S late, alive, as one that
+                         was evaluating, saving or recompiling when the fault came would
+    die-recovering@STEP:RANK     in that recovery, once the survivors agreed on who is left,
+                         that rank kills its own node (as ``die``) as it begins to create their
+                         new group
+    freeze-recovering@STEP:RANK  the same, but it stops itself (SIGSTOP) there
 
-Each fires at most once per worker process. ``hang``, ``stall`` and ``disk-full`` fire only in a
-launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
+Each fires at most once per worker process. All but ``nan-grad`` fire only in a launch's first
+attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
 process: the attempt torchrun restarts after them, or the group the survivors regroup in, runs
 clean, as it would once a real fault has passed, instead of meeting them again forever (a survivor
 that takes the frozen rank's number would freeze at the same step).
@@ -24,14 +33,18 @@ import errno
 import os
 import signal
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
-KINDS = ("nan-grad", "hang", "stall", "disk-full")
-FIRST_ATTEMPT = ("hang", "stall", "disk-full")
+KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recovering",
+         "freeze-recovering")
+FIRST_ATTEMPT = KINDS[1:]
+BUSY_S = 3.0
+"""How late ``busy`` makes its rank: several times what the dead are given to come."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +95,30 @@ class Faults:
             os.kill(os.getpid(), signal.SIGSTOP)
         if self.fires("stall", step):
             threading.Event().wait()
+        if self.fires("die", step):
+            kill_own_node()
+
+    def maybe_strike_recovery(self, phase: str, step: int) -> None:
+        """At a recovery's ``phase`` (the membership's) that began in step ``step``."""
+        kinds = {"agreeing on who is left": ("busy",),
+                 "creating the new group": ("die-recovering", "freeze-recovering")}.get(phase, ())
+        for kind, at in sorted(self.pending):
+            if kind in kinds and at <= step:
+                self.pending.discard((kind, at))
+                if kind == "busy":
+                    time.sleep(BUSY_S)
+                    continue
+                if kind == "die-recovering":
+                    kill_own_node()
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def maybe_fill_disk(self, step: int) -> None:
         if self.fires("disk-full", step):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def kill_own_node() -> None:
+    """The loss of this worker's node, as far as one worker can cause it: its torchrun agent
+    first (its parent), then itself."""
+    os.kill(os.getppid(), signal.SIGKILL)
+    os.kill(os.getpid(), signal.SIGKILL)

@@ -118,6 +118,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
 
     duties.watch(trainer)
     trainer.on_change = partial(duties.hand_over, trainer)
+    duties.membership.on_fallback = partial(record_fallback, trainer, run_dir)
     try:
         with stop_on_signals() as stop:
             try:
@@ -199,7 +200,8 @@ class Duties:
             return
         trainer.watchdog = Watchdog(
             env, store, cfg.run.hang_timeout, report=partial(record_hang, trainer, self.run_dir),
-            go_on_without=partial(self.membership.declare, "hung") if in_process else None,
+            go_on_without=partial(self.membership.declare, "hung",
+                                  generation=self.membership.generation) if in_process else None,
             store_host=None if in_process else 0)
         trainer.watchdog.start()
 
@@ -322,6 +324,19 @@ def record_hang(trainer: Trainer, run_dir: Path, record: dict) -> None:
     elif run_dir.is_dir():
         events = EventLog(run_dir / "events.jsonl")
         events.emit("hang", record["last_step"], **record)
+        events.close()
+
+
+def record_fallback(trainer: Trainer, run_dir: Path, record: dict) -> None:
+    """The ``fallback`` event: a recovery in process failed, torchrun restarts the job. Rank 0
+    writes it in its log; another rank, its node's first, in the run folder's events.jsonl where
+    this node can see it."""
+    step = trainer.progress.step
+    if trainer.env.is_main:
+        trainer.events.emit("fallback", step, **record)
+    elif trainer.env.is_local_main and run_dir.is_dir():
+        events = EventLog(run_dir / "events.jsonl")
+        events.emit("fallback", step, **record)
         events.close()
 
 

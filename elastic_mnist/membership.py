@@ -13,11 +13,22 @@ go on by themselves, without a process start, a new CUDA context or a checkpoint
    timeout): the rank simply stops waiting for it, and the group is abandoned to its thread.
 2. **Agree on who is left.** Each survivor checks in with where it stands (its committed step,
    whether it was in the middle of the next). The membership closes as soon as every rank not
-   named in the fault has come, or when no rank has come for ``SETTLE_S`` (the dead never come);
-   the first survivor to close it writes it, and every survivor reads the same list.
+   named in the fault has come, except those whose *pulse* stopped (the dead never come; a live
+   rank still busy with its own work, an evaluation, a save, a recompile, is waited for), and
+   at the latest after the hang timeout; the first survivor to close it writes it, and every
+   survivor reads the same list. Every process's pulse is a counter in the coordination store
+   that a thread of its own raises every ``PULSE_S``: one that stood still while the reader's own
+   moved ``SILENT_PULSES`` times is gone or frozen (a store that stalls, or a reader starved of
+   CPU, holds the reader's own pulse back as well). The watchdog's heartbeats cannot tell it:
+   they beat once a second, and stop as the survivors begin to recover.
 3. **A new group.** Survivors are renumbered in the order of their old ranks (rank 0 stays rank
    0 while it lives) and build a new process group on a fresh prefix of the coordination store:
-   a new *generation*. The trainer then takes one agreed state (see ``Trainer.adopt``).
+   a new *generation*. The trainer then takes one agreed state (see ``Trainer.adopt``). Every
+   collective of this step (the group's creation, the state's broadcast, DDP's checks, the
+   digests) runs in a thread, waited on through the membership as the loop's are
+   (:meth:`Membership.run`), while the waiting thread watches the new members' pulses: a member
+   lost or frozen here is declared in the new generation, and the survivors begin the next
+   round at once, from the same agreed state, the lost of every round in one change.
 
 A recovery opens no connection to the coordination store: each process opens its few at start
 and every generation reuses them. torch's TCPStore server resolves every new client's address to
@@ -55,6 +66,7 @@ import platform
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -71,9 +83,11 @@ ROUND_CHECK_S = 2.0
 """How often each rank reads the rendezvous round (:meth:`Membership._guard_round`): well within
 the seconds a node that starts a round alone takes to its first checkpoint. A node's local rank
 0 reads it at least once per keep-alive interval of its agent, to renew a lapsing one."""
-SETTLE_S = 0.5
-"""After a fault, how long check-ins must have been quiet before the membership closes without
-the ranks that have not come: the dead never do, and a live rank comes within milliseconds."""
+PULSE_S = 0.1
+"""How often each process raises its pulse in the coordination store."""
+SILENT_PULSES = 6
+"""A process whose pulse stood still while the reader's own moved this many times is gone or
+frozen (about 0.6 s)."""
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
 EXIT_GAVE_UP = 124
 """Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
@@ -163,7 +177,8 @@ class Connections:
     and used by every generation in turn."""
 
     declare: dist.Store
-    """Declarations, from the training thread and the watchdog's; and the round's guard."""
+    """Declarations, from the training thread and the watchdog's; the round's guard; the
+    pulse (see :class:`Pulses`). None of them waits on it."""
     watch: dist.Store
     """The watcher thread's, which waits to be woken."""
     group: dist.Store
@@ -198,6 +213,16 @@ class NullMembership:
 
     def recovered(self) -> None:
         """The first step after a change completed."""
+
+    def run(self, phase: str, work: Callable[[], Any]) -> Any:
+        """``work()``: the collectives of a recovery's ``phase``."""
+        return work()
+
+    def fall_back(self, reason: str) -> None:
+        """This rank cannot go on in process: one line and one record say where and why."""
+
+    def inject(self, phase: str) -> None:
+        """Fault injection at a recovery's ``phase`` (faults.py), for tests."""
 
     def generation_store(self) -> dist.Store | None:
         return None
@@ -248,6 +273,26 @@ class Membership(NullMembership):
         if env.rendezvous is not None:
             self.round, agent_addr = self._own_round()
             self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
+        self.pulse_key = pulse_key(self.identity)
+        self._connections.declare.add(self.pulse_key, 1)  # exists before this rank says who it is
+        self._pulse_keys: dict[int, str] = {}
+        """The current generation's members' pulse keys, once a recovery has named them."""
+        self._group_idle = threading.Lock()
+        """Held while a group's creation uses the group's connection (a creation given up on
+        may still wait on it, for a member that never came)."""
+        self.phase = "detecting the fault"
+        """Where a recovery stands, to say where it failed."""
+        self.failure = ""
+        """Why the last round of a recovery failed."""
+        self.inject: Callable[[str], None] = lambda phase: None
+        self.on_fallback: Callable[[dict[str, Any]], None] = lambda record: None
+        """Writes the ``fallback`` record where this rank can (job.py)."""
+        self._change: Change | None = None
+        """The change being recovered, until the first step after it: a fault meanwhile
+        widens it (see :meth:`recover`)."""
+        self._origin: list[int] = []
+        """For each rank of the current generation, its rank where the change began."""
+        threading.Thread(target=self._pulse, daemon=True, name="membership-pulse").start()
         self._start_generation()
         if self.round is not None:
             threading.Thread(target=self._guard_round, daemon=True,
@@ -297,6 +342,13 @@ class Membership(NullMembership):
         with contextlib.suppress(RuntimeError):
             self.store.set(self._key(f"wake/{self.env.rank}"), "closed")
 
+    def _pulse(self) -> None:
+        """Raises this process's pulse every PULSE_S while it lives: see :class:`Pulses`."""
+        while not self._closed:
+            time.sleep(PULSE_S)
+            with contextlib.suppress(RuntimeError):  # a store that stalls: the readers see it
+                self._connections.declare.add(self.pulse_key, 1)
+
     # --- collectives that can be given up on ------------------------------------------------------
 
     def guard(self, future: torch.futures.Future) -> torch.futures.Future:
@@ -341,12 +393,20 @@ class Membership(NullMembership):
             # NCCL, unlike gloo, can abort the collectives in flight.
             dist.distributed_c10d._abort_process_group()
 
-    def declare(self, why: str, suspects: list[int], detail: str = "") -> Fault:
-        """This rank's verdict, unless another rank's came first: the generation's one fault."""
+    def declare(self, why: str, suspects: list[int], detail: str = "",
+                generation: int | None = None) -> Fault | None:
+        """This rank's verdict, unless another rank's came first: the generation's one fault.
+
+        ``generation``: the one the verdict was made in (the watchdog's, which names ranks of
+        its own generation); a verdict on a generation that is over is dropped (None)."""
         fault = Fault(why, sorted(suspects), self.env.rank, detail, time.time())
         value = json.dumps(asdict(fault))
         store = self._connections.declare
         with self._declaring:
+            if generation is not None and generation != self.generation:
+                log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
+                         generation, why, suspects, self.generation)
+                return None
             agreed = store.compare_set(self._key("fault"), "", value)
             # Every rank that declares wakes every rank: one that dies between the two writes
             # leaves the waking to the others.
@@ -360,24 +420,30 @@ class Membership(NullMembership):
                 detail: str = "") -> Change:
         """Agrees with the other survivors on who is left, and builds their new process group.
 
-        Returns the change; raises CannotRecover when this rank is not among the survivors or
-        the coordination store does not answer.
+        Returns the change: since the last one's first step, if a fault came before it (in
+        the recovery itself), so that the lost of every round are in one. Raises
+        CannotRecover when this rank is not among the survivors or the coordination store does
+        not answer; PeerFailure when the new group lost a member too (the next round follows).
         """
         detected, detected_at = time.monotonic(), time.time()
         self._arm_deadline()
+        self.phase = "agreeing on who is left"
         try:
             fault = self.declare(why, list(suspects), detail)
             self.abort(fault)
+            self.inject(self.phase)
             self.store.set(self._key(f"in/{self.env.rank}"), json.dumps(asdict(position)))
             self.store.add(self._key("arrivals"), 1)
+            identities = self._identities()
+            pulses = Pulses(self.store, {r: pulse_key(i) for r, i in identities.items()},
+                            self.pulse_key)
             expected = set(range(self.env.world_size)) - set(fault.suspects)
             members = close_membership(self.store, self._key(""), expected, fault.suspects,
-                                       SETTLE_S)
+                                       pulses, limit_s=self.bound_s / 2)
             if self.env.rank not in members:
                 raise CannotRecover(f"the other ranks went on without this one (rank "
                                     f"{self.env.rank}) after the fault at generation "
                                     f"{self.generation}")
-            identities = self._identities()
             positions = [Position(**json.loads(value)) for value in self.store.multi_get(
                 [self._key(f"in/{r}") for r in members])]
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
@@ -394,7 +460,24 @@ class Membership(NullMembership):
                         steps_redone=int(any(p.mid_step and p.step == step for p in positions)),
                         evaluated_step=positions[0].evaluated_step, detected=detected,
                         detected_at=detected_at)
+        change = self._widen(change, members)
         self._next_generation(change, identities, members)
+        return change
+
+    def _widen(self, change: Change, members: list[int]) -> Change:
+        """``change`` as one with the change still being recovered, if any: from the world that
+        one began in, every rank lost on the way (numbered as there)."""
+        earlier = self._change
+        origin = self._origin if earlier is not None else list(range(self.env.world_size))
+        self._origin = [origin[r] for r in members]
+        lost = [{**gone, "rank": origin[gone["rank"]]} for gone in change.lost]
+        if earlier is not None:
+            change = dataclasses.replace(
+                change, old_world_size=earlier.old_world_size,
+                lost=sorted(earlier.lost + lost, key=lambda gone: gone["rank"]), why=earlier.why,
+                steps_redone=max(earlier.steps_redone, change.steps_redone),
+                detected=earlier.detected, detected_at=earlier.detected_at)
+        self._change = change
         return change
 
     def _identities(self, store: dist.Store | None = None) -> dict[int, Identity]:
@@ -420,14 +503,65 @@ class Membership(NullMembership):
         self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
             - len(agents)
         self.agents = agents
+        self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
         with self._lock:
             self.faulted = self.broken = None
         self._start_generation()
-        dist.init_process_group(
-            backend=backend_for(self.device), timeout=self.pg_timeout,
-            store=dist.PrefixStore(self._key("pg"), self._connections.group), rank=self.env.rank,
-            world_size=self.env.world_size,
-            device_id=self.device if self.device.type == "cuda" else None)
+        # A creation given up on may still wait on the group's connection, for a member that
+        # never came (until the group's timeout): this one then takes a connection of its own.
+        shared = self._group_idle.acquire(blocking=False)
+        connection = self._connections.group if shared else self.store.clone()
+        generation, env = self.generation, self.env
+
+        def create() -> None:
+            try:
+                if generation != self.generation:  # given up on before it began
+                    raise PeerFailure(f"generation {generation} is over")
+                dist.init_process_group(
+                    backend=backend_for(self.device), timeout=self.pg_timeout,
+                    store=dist.PrefixStore(self._key("pg", generation), connection),
+                    rank=env.rank, world_size=env.world_size,
+                    device_id=self.device if self.device.type == "cuda" else None)
+            finally:
+                if shared:
+                    self._group_idle.release()
+
+        self.inject("creating the new group")
+        self.run("creating the new group", create)
+
+    def run(self, phase: str, work: Callable[[], Any]) -> Any:
+        """``work()``, the collectives of a recovery's ``phase``, in a thread of its own, waited
+        on as a guarded collective: the wait fails (PeerFailure) when ``work`` raises, and when a
+        fault is declared in this generation, which this thread does itself when a member's
+        pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
+        it completes only if the member it waits for comes back to life, and that one, dropped,
+        leaves (exit 124), so that torchrun restarts the job anyway."""
+        self.phase = phase
+        done: torch.futures.Future = torch.futures.Future()
+
+        def body() -> None:
+            try:
+                if self.device.type == "cuda":  # the current device is the thread's own
+                    torch.cuda.set_device(self.device)
+                done.set_result(work())
+            except Exception as e:  # noqa: BLE001 - the backend's error, handed to the waiter
+                done.set_exception(e)
+
+        threading.Thread(target=body, daemon=True, name=f"membership-g{self.generation}").start()
+        guarded, finished = self.guard(done), threading.Event()
+        guarded.add_done_callback(lambda _: finished.set())
+        members = self._pulse_keys
+        pulses = Pulses(self.store, members, self.pulse_key) if members else None
+        while not finished.wait(PULSE_S):
+            silent = pulses.silent() - {self.env.rank} if pulses is not None else set()
+            if silent:
+                self.declare("died", sorted(silent), f"no pulse from rank(s) "
+                             f"{', '.join(map(str, sorted(silent)))} while {phase}")
+        try:
+            return guarded.wait()
+        except PeerFailure as e:
+            self.failure = f"{phase}: {e}"
+            raise
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:
@@ -439,6 +573,8 @@ class Membership(NullMembership):
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+        self._change = None
+        self.phase, self.failure = "detecting the fault", ""
 
     def _own_round(self) -> tuple[int, str]:
         """The rendezvous round this process's agent is in, and the agent's name there (torch
@@ -532,9 +668,21 @@ class Membership(NullMembership):
         return {agent for agent in agents if not store.check([_dead_agent_key(agent)])}
 
     def _give_up(self) -> None:
-        log.error("no step completed within %.0f s of the fault: leaving, so that torchrun "
-                  "restarts the job from its last checkpoint", self.bound_s)
+        self.fall_back(f"no step completed within {self.bound_s:.0f} s of the fault"
+                       + (f" (the last round failed {self.failure})" if self.failure else ""))
         end_process(EXIT_GAVE_UP)
+
+    def fall_back(self, reason: str) -> None:
+        """One line, and a ``fallback`` record in events.jsonl where this rank can write it:
+        the recovery in process failed (in which phase, why), torchrun restarts the job."""
+        log.error("recovery in process failed while %s: %s; leaving, so that torchrun restarts "
+                  "the job from its last checkpoint", self.phase, reason)
+        record = {"phase": self.phase, "reason": reason, "rank": self.env.rank,
+                  "generation": self.generation}
+        try:
+            self.on_fallback(record)
+        except Exception as e:  # noqa: BLE001 - leaving anyway: the line above says it
+            log.warning("the fallback record was not written: %s", _first_line(e))
 
     # --- the job's end ----------------------------------------------------------------------------
 
@@ -568,19 +716,23 @@ class Membership(NullMembership):
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
-                     settle_s: float) -> list[int]:
+                     pulses: Pulses, limit_s: float) -> list[int]:
     """The survivors, as the first rank to close the membership saw them: every rank that checked
-    in (``{prefix}in/<rank>``) once all ``expected`` have, or once none has come for
-    ``settle_s``; never one of ``excluded``."""
+    in (``{prefix}in/<rank>``) once all ``expected`` have, but for those whose pulse stopped,
+    or once ``limit_s`` has passed; never one of ``excluded``."""
     key = f"{prefix}members"
-    count, present, quiet_since = -1, set(), time.monotonic()
+    count, present, silent = -1, set(), set()
+    start = next_read = time.monotonic()
     while not store.check([key]):
         arrivals = store.add(f"{prefix}arrivals", 0)
         if arrivals != count:
-            count, quiet_since = arrivals, time.monotonic()
+            count = arrivals
             present = {rank for rank in expected | set(excluded)
                        if store.check([f"{prefix}in/{rank}"])} - set(excluded)
-        if present >= expected or time.monotonic() - quiet_since >= settle_s:
+        now = time.monotonic()
+        if now >= next_read:
+            silent, next_read = pulses.silent(), now + PULSE_S
+        if present >= expected - silent or now - start >= limit_s:
             store.compare_set(key, "", json.dumps(sorted(present)))
             break
         time.sleep(0.005)
@@ -590,6 +742,34 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
 def _dead_agent_key(agent: tuple[str, int]) -> str:
     """Where a worker whose agent (name in the rendezvous, pid) died says so."""
     return f"dead-agent/{agent[0]}/{agent[1]}"
+
+
+class Pulses:
+    """Who is still there, by the pulses in the coordination store: a process is silent when its
+    pulse stood still while the reader's own moved SILENT_PULSES times. Measured by the reader's
+    own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both."""
+
+    def __init__(self, store: dist.Store, keys: dict[int, str | None], own: str):
+        """``keys``: each rank's pulse key (None for a rank that never said who it was)."""
+        self.store, self.keys, self.own = store, keys, own
+        self.seen: dict[int, tuple[int, int]] = {}
+        """rank → (its pulse, the reader's own when it last moved)."""
+
+    def silent(self) -> set[int]:
+        known = [rank for rank, key in self.keys.items() if key is not None]
+        values = [int(v) for v in self.store.multi_get([self.own]
+                                                        + [self.keys[r] for r in known])]
+        mine, theirs = values[0], dict(zip(known, values[1:]))
+        for rank in self.keys:
+            pulse = theirs.get(rank, -1)
+            if self.seen.get(rank, (None,))[0] != pulse:
+                self.seen[rank] = (pulse, mine)
+        return {rank for rank, (_, since) in self.seen.items() if mine - since >= SILENT_PULSES}
+
+
+def pulse_key(identity: Identity) -> str | None:
+    """Where the process of ``identity`` raises its pulse (None: it never said who it was)."""
+    return None if identity == UNKNOWN else f"pulse/{identity.host}/{identity.pid}"
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:

@@ -21,6 +21,7 @@ import time
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,13 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.faults import Faults
-from elastic_mnist.membership import CannotRecover, Change, NullMembership, PeerFailure, Position
+from elastic_mnist.membership import (
+    CannotRecover,
+    Change,
+    NullMembership,
+    PeerFailure,
+    Position,
+)
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.preemption import StopRequest
@@ -447,14 +454,19 @@ class Trainer:
         """Goes on with the ranks that are left: one agreed state, a new group, rank 0's duties
         where they now belong. Raises CannotRecover when this rank cannot go on."""
         self.watchdog.close(wait=False)  # it watched the group that is gone
+        self.membership.inject = partial(self.faults.maybe_strike_recovery,
+                                         step=self.progress.step + 1)
         while True:
             self.rollback()
-            change = self.membership.recover(self.position(), why, suspects, detail)
             try:
+                change = self.membership.recover(self.position(), why, suspects, detail)
                 self.adopt(change)
                 break
-            except RuntimeError as failure:  # the new group lost a rank too: again
+            except PeerFailure as failure:  # the new group lost a member too: the next round
                 why, suspects, detail = "died", (), str(failure).strip().splitlines()[0]
+            except CannotRecover as e:
+                self.membership.fall_back(str(e))
+                raise
         log.warning("generation %d: world size %d -> %d at step %d (ranks %s %s); going on in "
                     "process", change.generation, change.old_world_size, change.env.world_size,
                     change.step, ", ".join(str(lost["rank"]) for lost in change.lost) or "none",
@@ -479,17 +491,27 @@ class Trainer:
         self.env, self.restart_generation = change.env, change.generation
         self.mid_step = False
         self._partial_stop_since = None
-        payload = distributed.broadcast_object(
-            self.state() if self.env.rank == change.holder else None, change.holder, self.device)
-        if self.env.rank != change.holder:
-            self.load_state(payload)
         self._retired.append(self.net)
         if self.ddp is not None:
             self.ddp.reducer._remove_autograd_hooks()
-        self.ddp, self.net = self._wrap()
+            self.ddp = None
+
+        def join() -> list[object]:
+            """The new group's collectives, given up on if it loses a member too (the
+            membership then begins the next round, from the state agreed on)."""
+            payload = distributed.broadcast_object(
+                self.state() if self.env.rank == change.holder else None, change.holder,
+                self.device)
+            if self.env.rank != change.holder:
+                self.load_state(payload)
+            self.ddp, self.net = self._wrap()  # DDP checks and broadcasts the parameters
+            return distributed.all_gather_object(state_digest(self.model.state_dict()),
+                                                 self.device)
+
+        self.membership.inject("adopting the agreed state")
+        digests = self.membership.run("adopting the agreed state", join)
         self.compiled_sizes = set()
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
-        digests = distributed.all_gather_object(state_digest(self.model.state_dict()), self.device)
         if len(set(digests)) != 1:
             raise CannotRecover(f"the survivors hold different models after agreeing on step "
                                 f"{change.step}: {sorted(set(digests))}")

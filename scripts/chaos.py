@@ -178,6 +178,17 @@ class Cluster:
     def workers(self) -> list[int]:
         return [pid for proc in self.nodes.values() for pid in worker_pids(proc.pid)]
 
+    def stopped(self, node: int) -> bool:
+        """A worker of the node is stopped (SIGSTOP, by chaos or by a fault it was told to
+        inject): its agent waits for it forever."""
+        for pid in worker_pids(self.nodes[node].pid):
+            try:
+                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
+                    return True
+            except psutil.NoSuchProcess:
+                pass
+        return False
+
     def victims(self) -> list[int]:
         """Nodes a fault may take: never the store's host, never the last one, never a frozen
         one."""
@@ -359,7 +370,8 @@ def watch_exits(cluster: Cluster, observer: Observer, timeout: float) -> dict[in
     that did not exit within ``timeout``: one whose worker is frozen waits for it forever)."""
     last_step = max((r["time"] for r in observer.audit()), default=time.time())
     exits: dict[int, float | None] = dict.fromkeys(n for n in cluster.alive()
-                                                   if n not in cluster.frozen)
+                                                   if n not in cluster.frozen
+                                                   and not cluster.stopped(n))
     deadline = time.time() + timeout
     while time.time() < deadline and any(v is None for v in exits.values()):
         for node, seconds in exits.items():

@@ -2,6 +2,7 @@
 """Recovery from a lost, departing or frozen node: in process against a restart, side by side.
 
     scripts/recovery.py [--repeats 3] [--only NAME,...] [--update-readme]
+    scripts/recovery.py --soak NAME [--repeats 10]
 
 Each scenario is a chaos run (scripts/chaos.py) on loopback with one fault at step 40 of 160; the
 job runs with ``--recovery in-process`` and with ``--recovery restart`` in turn, alternating, each
@@ -13,6 +14,11 @@ bench/recovery.json and, with --update-readme, the table between the README's
 scenarios again and keeps the others' runs from bench/recovery.json (when they were measured as
 many times, on a machine of the same kind and cores). ``kill-32`` alone takes about 20 minutes
 on 2 cores, the others 3 to 5 minutes each.
+
+``--soak NAME`` runs one scenario in process only, REPEATS times (``make recovery-soak``: the
+card's shape, ``kill-32``), and says for each run whether the survivors went on in process or
+fell back to a restart, and then in which phase of the recovery and why (the ``fallback``
+records of the run's events.jsonl); it exits 1 unless every run went on in process.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import textwrap
 from pathlib import Path
 
 import chaos
+
+from elastic_mnist.events import read_events
 
 REPO = Path(__file__).resolve().parents[1]
 HANG_TIMEOUT = 10.0
@@ -65,6 +73,32 @@ def measure(flags: list[str], mode: str, workdir: Path) -> dict:
     (fault,) = report["faults"]
     exits = report["exit_after_last_step_s"].values()
     return {**fault, "exit_after_last_step_s": None if None in exits else max(exits, default=None)}
+
+
+def soak(name: str, repeats: int, root: Path) -> int:
+    """``name`` in process, ``repeats`` times: how each run recovered, and why not in process."""
+    in_process = 0
+    for repeat in range(repeats):
+        workdir = root / f"{name}-{repeat}"
+        out = workdir / "faults.json"
+        chaos.main([*SCENARIOS[name][1], "--steps", "160", "--recovery", "in-process",
+                    "--no-reference", "--workdir", str(workdir), "--json", str(out)])
+        faults = json.loads(out.read_text())["faults"] if out.exists() else []
+        events = workdir / "shared" / "runs" / "chaos" / "events.jsonl"
+        fallbacks = [e for e in read_events(events) if e["event"] == "fallback"] \
+            if events.exists() else []
+        fault = faults[0] if faults else {}
+        went_on = fault.get("recovery") == "in-process" and not fallbacks
+        in_process += went_on
+        why = "; ".join(sorted({f"rank {e['rank']} while {e['phase']}: {e['reason']}"
+                                for e in fallbacks})) or "no fallback record"
+        seconds = fault.get("first_step_s")
+        print(f"recovery soak: {name} run {repeat + 1}/{repeats}: "
+              + (f"in process, first step {seconds:.1f} s after the fault" if went_on else
+                 f"fell back ({fault.get('recovery') or 'no recovery seen'}): {why}"),
+              flush=True)
+    print(f"recovery soak: {name}: {in_process} of {repeats} in process")
+    return 0 if in_process == repeats else 1
 
 
 def earlier_runs(path: Path, repeats: int) -> dict[str, dict[str, list[dict]]]:
@@ -116,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default=",".join(SCENARIOS),
                         help=f"scenarios to run, comma-separated ({','.join(SCENARIOS)})")
     parser.add_argument("--update-readme", action="store_true")
+    parser.add_argument("--soak", metavar="NAME", choices=SCENARIOS, default=None,
+                        help="run scenario NAME in process REPEATS times; say how each went")
     args = parser.parse_args(argv)
+    if args.soak:
+        return soak(args.soak, args.repeats, Path(tempfile.mkdtemp(prefix="recovery-soak-")))
     names = args.only.split(",")
     unknown = sorted(set(names) - set(SCENARIOS))
     if unknown:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -232,3 +233,33 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
 
     # Runs measured another number of times are measured again, not mixed in.
     assert recovery.earlier_runs(tmp_path / "bench" / "recovery.json", repeats=3) == {}
+
+
+def test_the_recovery_soak_says_how_each_run_went(tmp_path, monkeypatch, capsys):
+    """scripts/recovery.py --soak (make recovery-soak): one line per run, in process or the
+    phase and reason of its fallback from the run's events.jsonl; status 1 unless all went on."""
+    import recovery
+
+    runs = iter([True, False])
+
+    def chaos_run(argv):
+        workdir = Path(argv[argv.index("--workdir") + 1])
+        events = workdir / "shared" / "runs" / "chaos" / "events.jsonl"
+        events.parent.mkdir(parents=True)
+        in_process = next(runs)
+        lines = [] if in_process else [json.dumps({
+            "event": "fallback", "step": 40, "phase": "creating the new group", "rank": 3,
+            "reason": "no step completed within 20 s of the fault", "generation": 1})]
+        events.write_text("".join(line + "\n" for line in lines))
+        Path(argv[argv.index("--json") + 1]).write_text(json.dumps({"faults": [{
+            "recovery": "in-process" if in_process else "restart", "first_step_s": 1.6}]}))
+        return 0 if in_process else 1
+
+    monkeypatch.setattr(recovery.chaos, "main", chaos_run)
+    assert recovery.soak("kill-32", 2, tmp_path) == 1
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "recovery soak: kill-32 run 1/2: in process, first step 1.6 s after the fault",
+        ("recovery soak: kill-32 run 2/2: fell back (restart): rank 3 while creating the new "
+         "group: no step completed within 20 s of the fault"),
+        "recovery soak: kill-32: 1 of 2 in process"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import pickle
@@ -22,10 +23,12 @@ from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.membership import (
+    PULSE_S,
     Fault,
     Identity,
     Membership,
     PeerFailure,
+    Pulses,
     arrive_at_exit_barrier,
     close_membership,
     rendezvous_round,
@@ -62,29 +65,83 @@ def check_in(store, rank: int) -> None:
     store.add("g0/arrivals", 1)
 
 
-def test_the_membership_closes_at_once_when_every_expected_rank_has_come(store):
+@pytest.fixture
+def pulses(store):
+    """Ranks' pulses in ``store`` as their processes raise them (rank 0's is the reader's own):
+    ``beating(rank, ...)`` starts raising them, every PULSE_S until the test ends; a rank never
+    started has a pulse that stands still."""
+    stop = threading.Event()
+    beating: set[int] = set()
+    for rank in range(4):
+        store.add(f"pulse/{rank}", 1)
+
+    def beat() -> None:
+        connection = store.clone()
+        while not stop.wait(PULSE_S):
+            for rank in list(beating):
+                connection.add(f"pulse/{rank}", 1)
+
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+
+    def start(*ranks: int) -> Pulses:
+        beating.update(ranks)
+        return Pulses(store.clone(), {r: f"pulse/{r}" for r in range(4)}, "pulse/0")
+
+    yield start
+    stop.set()
+    thread.join()
+
+
+def test_the_membership_closes_at_once_when_every_expected_rank_has_come(store, pulses):
     for rank in (0, 1, 3):
         check_in(store, rank)
     start = time.monotonic()
-    members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2], settle_s=30)
-    assert members == [0, 1, 3] and time.monotonic() - start < 5  # not the settle time
+    members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2],
+                               pulses=pulses(0, 1, 3), limit_s=30)
+    assert members == [0, 1, 3] and time.monotonic() - start < 5  # not the limit
 
 
-def test_the_dead_are_left_out_once_the_check_ins_are_quiet(store):
+def test_the_dead_are_left_out_once_their_pulses_stop(store, pulses):
     check_in(store, 0)
-    late = threading.Timer(0.3, check_in, (store.clone(), 2))  # resets the quiet window
+    late = threading.Timer(0.3, check_in, (store.clone(), 2))
     late.start()
-    members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[], settle_s=0.6)
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[],
+                               pulses=pulses(0, 2), limit_s=30)
     late.join()
-    assert members == [0, 2]  # 1 and 3 never came
+    assert members == [0, 2]  # 1 and 3 never came, and their pulses stand still
+    assert time.monotonic() - start < 3  # SILENT_PULSES of the reader's own, not the limit
     check_in(store, 1)  # too late: the membership is closed, and the same for everyone
-    assert close_membership(store.clone(), "g0/", {0, 1, 2, 3}, [], settle_s=0.6) == [0, 2]
+    assert close_membership(store.clone(), "g0/", {0, 1, 2, 3}, [], pulses(), 30) == [0, 2]
 
 
-def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store):
+def test_a_live_rank_busy_with_its_own_work_is_waited_for(store, pulses):
+    """A survivor still evaluating, saving or recompiling when the others check in comes
+    seconds later: its pulse moves, so it is kept; the dead one (3) is not waited for."""
+    check_in(store, 0)
+    busy = threading.Timer(2.0, check_in, (store.clone(), 1))
+    busy.start()
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2],
+                               pulses=pulses(0, 1), limit_s=30)
+    busy.join()
+    assert members == [0, 1] and 2.0 <= time.monotonic() - start < 5
+
+
+def test_a_live_rank_that_never_comes_is_left_out_at_the_limit(store, pulses):
+    check_in(store, 0)
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
+                               pulses=pulses(0, 1), limit_s=1.5)
+    assert members == [0] and 1.5 <= time.monotonic() - start < 4
+
+
+def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store, pulses):
     for rank in (0, 1):
         check_in(store, rank)
-    assert close_membership(store, "g0/", expected={0}, excluded=[1], settle_s=0.6) == [0]
+    assert close_membership(store, "g0/", expected={0}, excluded=[1], pulses=pulses(0, 1),
+                            limit_s=30) == [0]
 
 
 def test_survivors_are_renumbered_in_the_order_of_their_old_ranks():
@@ -113,6 +170,50 @@ def test_a_declared_fault_fails_every_pending_and_later_wait(members):
         mine.guard(torch.futures.Future())
     pending.set_result([torch.ones(1)])  # the abandoned collective ending later changes nothing
     assert isinstance(fault, Fault) and fault.suspects == [1]
+
+
+def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
+    """The watchdog declares through ``declare`` bound to the generation it watched (job.py): a
+    verdict reached there and delivered after a recovery moved on names ranks of a group that is
+    gone, and is dropped, instead of dropping healthy ranks of the new one."""
+    mine, theirs = members(0), members(1)
+    verdict = functools.partial(mine.declare, "hung", generation=mine.generation)
+    for member in (mine, theirs):  # a recovery completes meanwhile
+        member.declare("died", [])
+        member.generation += 1
+        member._start_generation()
+    assert verdict([1], "no heartbeat") is None
+    assert not store.check(["launch/g1/fault"]) and not store.check(["launch/g1/wake/1"])
+    assert verdict.func("hung", [1], generation=1).suspects == [1]  # its own generation's: kept
+
+
+def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, monkeypatch,
+                                                            caplog):
+    """A recovery that cannot complete a step within its bound leaves (torchrun restarts the job)
+    with one line and one ``fallback`` record naming the phase that failed and why; a rank the
+    others went on without says so the same way."""
+    from elastic_mnist import membership
+
+    left: list[int] = []
+    monkeypatch.setattr(membership, "end_process", left.append)
+    mine, theirs = members(0), members(1)
+    written: list[dict] = []
+    for member in (mine, theirs):
+        member.on_fallback = written.append
+    mine.phase, mine.failure = "creating the new group", "creating the new group: no pulse"
+    mine._give_up()
+    assert left == [membership.EXIT_GAVE_UP]
+    assert written[0]["phase"] == "creating the new group"
+    assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
+                                           "round failed creating the new group: no pulse")
+    store.set("launch/g0/members", "[0]")  # rank 0 closed the membership without rank 1
+    with pytest.raises(membership.CannotRecover, match="went on without this one") as e:
+        theirs.recover(membership.Position(step=3, mid_step=False, evaluated_step=0))
+    theirs.fall_back(str(e.value))  # as Trainer.recover does
+    assert (written[1]["phase"], written[1]["rank"]) == ("agreeing on who is left", 1)
+    lines = [r.getMessage() for r in caplog.records
+             if "recovery in process failed" in r.getMessage()]
+    assert len(lines) == 2 and "while agreeing on who is left: the other ranks went on" in lines[1]
 
 
 def connections_to(port: int) -> int:
