@@ -24,7 +24,7 @@ from shared_runs import args_for, newest, wait_until
 from elastic_mnist import distributed
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import DistEnv, Rendezvous
 from elastic_mnist.lease import (
     LEASE_FILE,
     FolderInUse,
@@ -166,6 +166,37 @@ def test_take_over_is_at_once_and_the_job_that_lost_stops_without_writing(tmp_pa
     assert read_lease(tmp_path).job == JOB_B.job  # and wrote nothing after
     a.close()
     assert read_lease(tmp_path).job == JOB_B.job  # nor released what is not its own
+
+
+def test_two_jobs_with_one_run_id_differ_and_one_jobs_nodes_agree_without_a_rendezvous_id(
+        tmp_path):
+    """A job is told by a nonce drawn once in its rendezvous store, whatever its run id: two
+    multi-node jobs of one run id (two stores) into one folder, the second is refused; the two
+    nodes of one job launched without --rdzv_id (torchrun's "none") are both admitted, and so is
+    the job's restart, while its store lives."""
+    from torch.distributed import TCPStore
+
+    def node(store: TCPStore, run_id: str) -> DistEnv:
+        return DistEnv(rank=0, world_size=2, launched=True, run_id=run_id,
+                       rendezvous=Rendezvous("127.0.0.1", store.port, run_id or "none"))
+
+    first, second = (TCPStore("127.0.0.1", 0, is_master=True) for _ in range(2))
+    job = LeaseKeeper(tmp_path / "same-id", JobIdentity.of(node(first, "job42")), 60)
+    job.acquire()
+    other = JobIdentity.of(node(second, "job42"))
+    assert other.job == job.identity.job and other.nonce != job.identity.nonce
+    with pytest.raises(FolderInUse, match="in use by another job of the same rendezvous id "
+                                          r"\(another rendezvous store\): torchrun job job42"):
+        LeaseKeeper(tmp_path / "same-id", other, 60).acquire()
+    LeaseKeeper(tmp_path / "same-id", JobIdentity.of(node(first, "job42")), 60).acquire()
+
+    nodes = [LeaseKeeper(tmp_path / "no-id", JobIdentity.of(node(first, None)), 60)
+             for _ in range(2)]
+    for n in nodes:
+        n.acquire()  # never refused
+    assert nodes[0].identity == nodes[1].identity != job.identity
+    with pytest.raises(FolderInUse):
+        LeaseKeeper(tmp_path / "no-id", JobIdentity.of(node(second, None)), 60).acquire()
 
 
 def test_a_requeued_copy_takes_over_from_an_older_copy_of_its_job(tmp_path):
