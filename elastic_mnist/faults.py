@@ -7,11 +7,14 @@
                          process would: no thread of it runs, and it does not exit
     stall@STEP:RANK      that rank's training thread waits forever as it begins step STEP, as a
                          deadlocked one would: its other threads run on
+    hang-save@STEP       rank 0 stops itself (SIGSTOP) as its checkpoint writer is about to write
+                         step STEP's checkpoint: woken, it holds a save of a step that others
+                         may have written since
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
 
-Each fires at most once per worker process. ``hang``, ``stall`` and ``disk-full`` fire only in a
-launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
-process: the attempt torchrun restarts after them, or the group the survivors regroup in, runs
+Each fires at most once per worker process. ``hang``, ``stall``, ``hang-save`` and ``disk-full``
+fire only in a launch's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of
+membership in process: the attempt torchrun restarts after them, or the group the survivors regroup in, runs
 clean, as it would once a real fault has passed, instead of meeting them again forever (a survivor
 that takes the frozen rank's number would freeze at the same step).
 A ``nan-grad`` step that a restart runs again is poisoned again (and skipped again). Nothing here
@@ -30,8 +33,8 @@ from dataclasses import dataclass
 from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
-KINDS = ("nan-grad", "hang", "stall", "disk-full")
-FIRST_ATTEMPT = ("hang", "stall", "disk-full")
+KINDS = ("nan-grad", "hang", "stall", "disk-full", "hang-save")
+FIRST_ATTEMPT = ("hang", "stall", "disk-full", "hang-save")
 
 
 @dataclass(frozen=True)
@@ -83,6 +86,9 @@ class Faults:
         if self.fires("stall", step):
             threading.Event().wait()
 
-    def maybe_fill_disk(self, step: int) -> None:
+    def before_save(self, step: int) -> None:
+        """In rank 0's checkpoint writer, before it writes step ``step``'s checkpoint."""
+        if self.fires("hang-save", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.fires("disk-full", step):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))

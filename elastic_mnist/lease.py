@@ -33,7 +33,8 @@ or was SIGKILLed. From another machine, where those processes cannot be seen, a 
 once it has gone unrenewed for ``--lease-timeout`` seconds (15) and two more renewal periods have
 passed without a change, watched by the launch that takes it over: at most 21 s with the
 defaults. ``--take-over`` takes it at once, for when the user knows that job is gone; a job whose
-lease was taken (it was not gone after all) stops at its next renewal without writing more.
+lease was taken (it was not gone after all) stops at its next write (every writer asks the lease
+first: :meth:`LeaseHold.taken`, fence.py) or renewal, writing nothing more.
 
 **No locks across hosts.** The file is only ever created whole (written aside, then ``link``ed
 into place, which fails when another launch got there first: atomic on NFS too), replaced whole
@@ -64,6 +65,7 @@ from elastic_mnist import distributed
 from elastic_mnist.checkpoint import CheckpointWriteError, read_run_file, unwritable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
+from elastic_mnist.fence import NO_FENCE, NullFence, Over, leave
 from elastic_mnist.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -235,6 +237,8 @@ class LeaseKeeper:
         self.machine = this_machine() if machine is None else machine
         self.beat = 0
         self.nonce = ""
+        self.fence: NullFence = NO_FENCE
+        """Asked before each renewal: a process dropped from the job renews nothing."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
@@ -365,12 +369,13 @@ class LeaseKeeper:
         while not self._stop.wait(self.beat_s):
             try:
                 current = read_lease(self.folder)
-                if current is None:  # released by another node of this job as it left
-                    self._create()
-                elif self._is_taken(current):
+                if current is not None and self._is_taken(current):
                     self._stop.set()
                     self.on_lost(current)
                     return
+                self.fence.check()
+                if current is None:  # released by another node of this job as it left
+                    self._create()
                 else:
                     self._write()
             except OSError as e:  # try again at the next beat; say it once
@@ -382,10 +387,7 @@ class LeaseKeeper:
         return self.identity.is_taken_by(current.identity)
 
     def _stop_process(self, current: Lease) -> None:
-        log.error("checkpoint folder %s was taken over by %s on host %s (pid %d): this job "
-                  "stops without writing more", self.folder, current.identity.describe(),
-                  current.host, current.pid)
-        distributed.end_process(EXIT_LOST)
+        leave(taken_over(self.folder, current))
 
     def close(self, release: bool = True) -> None:
         """Stops renewing; releases the lease (if this keeper wrote it last) unless told not
@@ -405,6 +407,12 @@ class LeaseKeeper:
                 self.path.unlink()
 
 
+def taken_over(folder: Path, current: Lease) -> Over:
+    return Over(f"checkpoint folder {folder} was taken over by {current.identity.describe()} on "
+                f"host {current.host} (pid {current.pid}): this job stops without writing more",
+                EXIT_LOST)
+
+
 def read_lease_file(path: Path) -> Lease | None:
     try:
         return Lease(**json.loads(Path(path).read_text()))
@@ -419,10 +427,27 @@ def seen(lease: Lease) -> str:
 
 class LeaseHold:
     """What the job tells its lease as it ends: the exit status, which says whether the folder
-    is left to a restart (EXIT_PREEMPTED) or released (finished, Ctrl-C)."""
+    is left to a restart (EXIT_PREEMPTED) or released (finished, Ctrl-C). And what every rank
+    asks of it before a write (:meth:`taken`, a reason of the writers' fence)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path, identity: JobIdentity,
+                 keeper: LeaseKeeper | None = None) -> None:
+        self.folder, self.identity = folder, identity
+        self.keeper = keeper
         self.status: int | None = None
+
+    def fence_renewals(self, fence: NullFence) -> None:
+        """This node's renewals pass the writers' fence too."""
+        if self.keeper is not None:
+            self.keeper.fence = fence
+
+    def taken(self) -> Over | None:
+        """Why this job may write no more into the folder (another job took its lease), or
+        None while the lease is this job's (or none: a node of it released it as it left)."""
+        current = read_lease(self.folder)
+        if current is None or not self.identity.is_taken_by(current.identity):
+            return None
+        return taken_over(self.folder, current)
 
     def ended(self, status: int) -> int:
         self.status = status
@@ -446,7 +471,7 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
     from elastic_mnist.trainer import PeerStopped
 
     folder = Path(cfg.checkpoint.checkpoint_dir)
-    keeper, outcome = None, None
+    identity, keeper, outcome = None, None, None
     if env.is_local_main:
         try:
             identity = JobIdentity.of(env, cfg.run.pg_timeout)
@@ -461,7 +486,8 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
                 outcome = ("in use", str(e))
             except OSError as e:
                 outcome = ("cannot write", str(unwritable(folder, e)))
-    outcomes = [o for o in distributed.all_gather_object(outcome, device) if o is not None]
+    gathered = distributed.all_gather_object((outcome, identity), device)
+    outcomes = [o for o, _ in gathered if o is not None]
     if outcomes:
         if keeper is not None and outcome is None:
             keeper.release()  # the job does not start: leave the folder as it was
@@ -471,7 +497,7 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
         if outcome is not None:
             raise CheckpointWriteError(outcome[1])
         raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
-    hold = LeaseHold()
+    hold = LeaseHold(folder, next(i for _, i in gathered if i is not None), keeper)
     if keeper is None:
         yield hold
         return
