@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from elastic_mnist.data.order import epoch_number
+from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,9 @@ def payload_bytes(payload: dict[str, Any]) -> bytes:
 
 
 def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_generation: int,
-                     keep_last: int) -> Manifest:
-    """Commits ``payload`` durably: payload, then manifest, then the pointer; then prunes."""
+                     keep_last: int, fence: NullFence = NO_FENCE) -> Manifest:
+    """Commits ``payload`` durably: payload, then manifest, then the pointer; then prunes.
+    ``fence`` is asked before each of the three is put in place (fence.py)."""
     directory = Path(directory)
     data = payload_bytes(payload)
     progress = payload["progress"]
@@ -122,6 +124,7 @@ def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_genera
                               (directory / f"{name}.json",
                                json.dumps(asdict(manifest), indent=2).encode()),
                               (directory / POINTER, f"{name}\n".encode())):
+            fence.check()
             atomic_write_bytes(path, content)
             written.append(path)
     except BaseException:
@@ -315,13 +318,14 @@ class Checkpointer(NullCheckpointer):
 
     def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int,
                  before_write: Callable[[int], None] = lambda step: None,
-                 taking_over_at: int | None = None):
+                 taking_over_at: int | None = None, fence: NullFence = NO_FENCE):
         """``taking_over_at``: the step at which this rank 0 takes over, in process, from one
         that is gone. Its temp files are kept (its writer may still be finishing), and a
         checkpoint it committed at that step is not written again. Otherwise the temp files a
         writer killed mid-write left are taken back."""
         self.directory = Path(directory)
         self.before_write = before_write
+        self.fence = fence
         """Called in the writer thread before each write, with its step (fault injection)."""
         self.every = every
         self.keep_last = keep_last
@@ -396,7 +400,7 @@ class Checkpointer(NullCheckpointer):
                 self.before_write(step)
                 self.last_manifest = write_checkpoint(
                     self.directory, payload, restart_generation=self.restart_generation,
-                    keep_last=self.keep_last)
+                    keep_last=self.keep_last, fence=self.fence)
                 log.info("checkpoint %s committed (%d bytes, %.1f ms blocking)",
                          self.last_manifest.file, self.last_manifest.bytes, blocking_ms)
                 self.on_commit(self.last_manifest, blocking_ms)

@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from elastic_mnist.fence import NO_FENCE, NullFence
+
 
 def utc_now() -> str:
     return utc_time(time.time())
@@ -43,15 +45,18 @@ class NullEventLog:
 
 
 class EventLog(NullEventLog):
-    """Append-only, line-flushed and fsynced, safe to call from the checkpoint writer thread."""
+    """Append-only, line-flushed and fsynced, safe to call from the checkpoint writer thread;
+    each record passes ``fence`` first (fence.py)."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fence: NullFence = NO_FENCE):
+        self.fence = fence
         path.parent.mkdir(parents=True, exist_ok=True)
         self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
         self._lock = threading.Lock()
 
     def emit(self, event: str, step: int, **fields: Any) -> None:
         line = json.dumps({"event": event, "time": utc_now(), "step": step, **fields})
+        self.fence.check()
         with self._lock:
             self._file.write(line + "\n")
             os.fsync(self._file.fileno())

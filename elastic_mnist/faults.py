@@ -7,6 +7,9 @@
                          process would: no thread of it runs, and it does not exit
     stall@STEP:RANK      that rank's training thread waits forever as it begins step STEP, as a
                          deadlocked one would: its other threads run on
+    hang-save@STEP       rank 0 stops itself (SIGSTOP) as its checkpoint writer is about to write
+                         step STEP's checkpoint: woken, it holds a save of a step that others
+                         may have written since
     disk-full@STEP       rank 0's checkpoint writer fails with ENOSPC on step STEP's checkpoint
     die@STEP:RANK        that rank kills its own node as it begins step STEP: its agent (its
                          parent), then itself, with SIGKILL
@@ -41,7 +44,7 @@ from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
 KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recovering",
-         "freeze-recovering")
+         "freeze-recovering", "hang-save")
 FIRST_ATTEMPT = KINDS[1:]
 BUSY_S = 3.0
 """How late ``busy`` makes its rank: several times what the dead are given to come."""
@@ -112,7 +115,10 @@ class Faults:
                     kill_own_node()
                 os.kill(os.getpid(), signal.SIGSTOP)
 
-    def maybe_fill_disk(self, step: int) -> None:
+    def before_save(self, step: int) -> None:
+        """In rank 0's checkpoint writer, before it writes step ``step``'s checkpoint."""
+        if self.fires("hang-save", step):
+            os.kill(os.getpid(), signal.SIGSTOP)
         if self.fires("disk-full", step):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -43,6 +44,8 @@ from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
 from elastic_mnist.events import EventLog
 from elastic_mnist.faults import Faults
+from elastic_mnist.fence import Fence, NullFence
+from elastic_mnist.lease import LeaseHold
 from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
@@ -67,12 +70,13 @@ DASHBOARD = {  # TensorBoard's custom scalars tab: {category: {chart: its tags}}
 
 
 def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
-                 store: dist.Store | None = None) -> int:
+                 store: dist.Store | None = None, lease: LeaseHold | None = None) -> int:
     """Trains to the end (exit 0) or to an agreed stop after a signal (EXIT_PREEMPTED), or
     leaves while the others go on (EXIT_PREEMPTED too: this node was asked to stop).
 
     ``store`` (the process group's, None in a single process) carries the watchdog's heartbeats
-    where the survivors of a lost node cannot go on in process.
+    where the survivors of a lost node cannot go on in process. ``lease``: the checkpoint
+    folder's, which fences the writers with the membership (fence.py).
     """
     checkpoint_dir = Path(cfg.checkpoint.checkpoint_dir)
     faults = Faults.from_environ(env.rank, env.restart_count)
@@ -89,8 +93,11 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         log.warning("%s", SYNTHETIC_WARNING)
     log.info("data: %s", dataset.describe())
 
-    duties = Duties(cfg, run_id, run_dir, checkpoint_dir, store,
-                    start_membership(cfg, env, device, generation))
+    membership = start_membership(cfg, env, device, generation)
+    duties = Duties(cfg, run_id, run_dir, checkpoint_dir, store, membership,
+                    Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
+    if lease is not None:
+        lease.fence_renewals(duties.fence)
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
                       checkpointer=duties.checkpointer(env, generation, faults),
                       audit=duties.audit(env, generation), membership=duties.membership)
@@ -164,18 +171,20 @@ class Duties:
     group_store: dist.Store | None
     """The launch's process group's store: the watchdog's where nothing outlives rank 0."""
     membership: NullMembership
+    fence: NullFence = dataclasses.field(default_factory=NullFence)
+    """Asked by every writer before it commits: whether this process is still the job's."""
 
     def checkpointer(self, env: DistEnv, generation: int, faults: Faults,
                      taking_over_at: int | None = None) -> NullCheckpointer:
         c = self.cfg.checkpoint
         return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every, keep_last=c.keep_last,
-                             restart_generation=generation, before_write=faults.maybe_fill_disk,
-                             taking_over_at=taking_over_at)
+                             restart_generation=generation, before_write=faults.before_save,
+                             taking_over_at=taking_over_at, fence=self.fence)
                 if env.is_main else NullCheckpointer())
 
     def audit(self, env: DistEnv, generation: int) -> AuditLog:
         path = self.run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
-        return AuditLog(path if self.cfg.run.audit_samples else None)
+        return AuditLog(path if self.cfg.run.audit_samples else None, self.fence)
 
     def report(self, trainer: Trainer, purge_step: int) -> None:
         """Rank 0's dashboards and records, opened at ``purge_step``: whatever an earlier rank
@@ -186,8 +195,9 @@ class Duties:
                                            trainer.progress.step, env.world_size)
         if not env.is_main or isinstance(trainer.metrics, TensorBoardMetrics):
             return
-        trainer.metrics = TensorBoardMetrics(self.run_dir, purge_step=purge_step)
-        trainer.events = EventLog(self.run_dir / "events.jsonl")
+        trainer.metrics = TensorBoardMetrics(self.run_dir, purge_step=purge_step,
+                                             fence=self.fence)
+        trainer.events = EventLog(self.run_dir / "events.jsonl", self.fence)
         trainer.checkpointer.on_commit = partial(record_checkpoint, trainer)
 
     def watch(self, trainer: Trainer) -> None:
@@ -199,7 +209,8 @@ class Duties:
         if store is None or cfg.run.hang_timeout <= 0:
             return
         trainer.watchdog = Watchdog(
-            env, store, cfg.run.hang_timeout, report=partial(record_hang, trainer, self.run_dir),
+            env, store, cfg.run.hang_timeout,
+            report=partial(record_hang, trainer, self.run_dir, self.fence),
             go_on_without=partial(self.membership.declare, "hung",
                                   generation=self.membership.generation) if in_process else None,
             store_host=None if in_process else 0)
@@ -213,6 +224,7 @@ class Duties:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             add_file_handler(str(self.run_dir / "train.log"))
         if env.is_local_main:
+            self.fence.check()
             write_run_file(self.checkpoint_dir, self.run_id, generation)
         trainer.faults = Faults.from_environ(env.rank, env.restart_count, regrouped=True)
         trainer.audit.close()
@@ -316,13 +328,13 @@ def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) 
                         blocking_ms=blocking_ms, bytes=manifest.bytes)
 
 
-def record_hang(trainer: Trainer, run_dir: Path, record: dict) -> None:
+def record_hang(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict) -> None:
     """The ``hang`` event, from the watchdog thread of the rank that declared it: rank 0's log,
     or, from another rank, the run folder's events.jsonl where this node can see it."""
     if trainer.env.is_main:
         trainer.events.emit("hang", record["last_step"], **record)
     elif run_dir.is_dir():
-        events = EventLog(run_dir / "events.jsonl")
+        events = EventLog(run_dir / "events.jsonl", fence)
         events.emit("hang", record["last_step"], **record)
         events.close()
 

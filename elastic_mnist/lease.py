@@ -10,11 +10,14 @@ whose first process is gone has gone as a whole.
 
 **The same job.** A lease names a job, not a process:
 
-- under torchrun, the rendezvous id (``TORCHELASTIC_RUN_ID``): the same for every node of a job,
-  across torchrun's restarts, resizes and in-process recoveries. ``torchrun --standalone`` draws a
-  fresh one per launch, single-node ``jobs/node.sh`` too; ``jobs/slurm.sbatch`` gives the SLURM
-  job id, which a requeued job keeps. Multi-node launches must give each job its own
-  ``--rdzv_id`` (``RUN_ID``), as torchrun asks anyway;
+- under a multi-node c10d rendezvous, its id and a nonce that the job's first node draws in the
+  rendezvous store (compare-and-set) and every other node reads: its nodes share that store,
+  which outlives torchrun's restarts, resizes and in-process recoveries, so two jobs of one
+  rendezvous id (``RUN_ID`` left at a default, say) differ, and one job's nodes launched without
+  ``--rdzv_id`` (torchrun's ``none``) agree;
+- under torchrun on one node, the rendezvous id (``TORCHELASTIC_RUN_ID``): ``torchrun
+  --standalone`` draws a fresh one per launch, single-node ``jobs/node.sh`` too;
+  ``jobs/slurm.sbatch`` gives the SLURM job id, which a requeued job keeps;
 - with it, under SLURM, the job's copy (``SLURM_RESTART_COUNT``): a requeued copy takes the lease
   over from an older copy of the same job, and an older copy that still runs stops at its next
   renewal; an older copy is refused where a newer one holds the lease;
@@ -30,7 +33,8 @@ or was SIGKILLed. From another machine, where those processes cannot be seen, a 
 once it has gone unrenewed for ``--lease-timeout`` seconds (15) and two more renewal periods have
 passed without a change, watched by the launch that takes it over: at most 21 s with the
 defaults. ``--take-over`` takes it at once, for when the user knows that job is gone; a job whose
-lease was taken (it was not gone after all) stops at its next renewal without writing more.
+lease was taken (it was not gone after all) stops at its next write (every writer asks the lease
+first: :meth:`LeaseHold.taken`, fence.py) or renewal, writing nothing more.
 
 **No locks across hosts.** The file is only ever created whole (written aside, then ``link``ed
 into place, which fails when another launch got there first: atomic on NFS too), replaced whole
@@ -61,6 +65,7 @@ from elastic_mnist import distributed
 from elastic_mnist.checkpoint import CheckpointWriteError, read_run_file, unwritable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
+from elastic_mnist.fence import NO_FENCE, NullFence, Over, leave
 from elastic_mnist.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -84,18 +89,57 @@ class JobIdentity:
     job: str
     copy: int = 0
 
+    nonce: str = ""
+    """Drawn once per job in its rendezvous store, which all its nodes share and which outlives
+    torchrun's restarts: two jobs with one run id differ in it, one job's nodes never do."""
+
     @classmethod
-    def of(cls, env: DistEnv) -> JobIdentity:
+    def of(cls, env: DistEnv, timeout_s: float = 60.0) -> JobIdentity:
+        """Under a multi-node rendezvous, its id and the job's nonce in its store (OSError when
+        the store does not answer); else torchrun's run id; else this process alone."""
+        if env.rendezvous is not None:
+            rdzv = env.rendezvous
+            return cls(f"torchrun:{rdzv.run_id}", env.requeue_count,
+                       job_nonce(rdzv.host, rdzv.port, rdzv.run_id, timeout_s))
         if env.launched and env.run_id:
             return cls(f"torchrun:{env.run_id}", env.requeue_count)
         return cls(f"process:{platform.node()}:{os.getpid()}:{secrets.token_hex(4)}",
                    env.requeue_count)
+
+    def is_taken_by(self, theirs: JobIdentity) -> bool:
+        """Whether a lease of ``theirs`` is another job's, or a newer copy's of this one (a
+        requeued copy keeps the run id and draws a new nonce: its copy number tells)."""
+        if theirs.job != self.job:
+            return True
+        if theirs.copy != self.copy:
+            return theirs.copy > self.copy
+        return theirs.nonce != self.nonce
 
     def describe(self) -> str:
         kind, _, name = self.job.partition(":")
         what = (f"torchrun job {name}" if kind == "torchrun" else
                 f"a single process ({name.rsplit(':', 1)[0]})")
         return what + (f", requeued {self.copy} time(s)" if self.copy else "")
+
+
+NONCE_KEY = "elastic_mnist/{run_id}/job"
+
+
+def job_nonce(host: str, port: int, run_id: str, timeout_s: float) -> str:
+    """The job's nonce in the rendezvous store at ``host:port``: drawn by the first node to ask
+    (compare-and-set), read by every other, and by every restart while the store lives."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    try:
+        store = TCPStore(host, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=timeout_s))
+        return store.compare_set(NONCE_KEY.format(run_id=run_id), "",
+                                 secrets.token_hex(8)).decode()
+    except RuntimeError as e:  # DistStoreError, DistNetworkError
+        raise OSError(f"the rendezvous store {host}:{port} does not answer "
+                      f"({str(e).strip().splitlines()[0]})") from None
 
 
 @dataclass(frozen=True)
@@ -114,6 +158,8 @@ class Lease:
     """The holder's --lease-timeout."""
     nonce: str = ""
     """Tells this writing from any other (a lease taken away is recognised as the one judged)."""
+    job_nonce: str = ""
+    """The job's nonce (:attr:`JobIdentity.nonce`)."""
     agent_pid: int = 0
     """The launch's process that outlives the keeper across restarts: torchrun's agent (the
     keeper's parent), or the keeper itself without torchrun."""
@@ -123,7 +169,7 @@ class Lease:
 
     @property
     def identity(self) -> JobIdentity:
-        return JobIdentity(self.job, self.copy)
+        return JobIdentity(self.job, self.copy, self.job_nonce)
 
     def age(self, now: float | None = None) -> float:
         return (time.time() if now is None else now) - self.renewed
@@ -191,6 +237,8 @@ class LeaseKeeper:
         self.machine = this_machine() if machine is None else machine
         self.beat = 0
         self.nonce = ""
+        self.fence: NullFence = NO_FENCE
+        """Asked before each renewal: a process dropped from the job renews nothing."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
@@ -213,14 +261,14 @@ class LeaseKeeper:
                     return
                 continue
             theirs = current.identity
-            if theirs.job == self.identity.job and (theirs.copy <= self.identity.copy
-                                                    or take_over):
-                self._write()  # its own restart, resize or recovery, or a newer copy
+            if not self.identity.is_taken_by(theirs):
+                self._write()  # its own restart, resize or recovery, or an older copy
                 return
             why = "--take-over" if take_over else self._why_free(current)
             if not why:
-                whose = "a newer copy of this job" if theirs.job == self.identity.job else \
-                    "another job"
+                whose = ("another job" if theirs.job != self.identity.job else
+                         "a newer copy of this job" if theirs.copy > self.identity.copy else
+                         "another job of the same rendezvous id (another rendezvous store)")
                 raise FolderInUse(self._refusal(current, whose))
             log.warning("checkpoint folder %s: taking over the lease of %s on host %s (pid %d), "
                         "last seen %s (%s)", self.folder, current.identity.describe(),
@@ -282,7 +330,7 @@ class LeaseKeeper:
         lease = Lease(job=self.identity.job, copy=self.identity.copy, host=platform.node(),
                       pid=os.getpid(), renewed=time.time(), beat=self.beat,
                       timeout_s=self.timeout_s, nonce=self.nonce, agent_pid=self.agent_pid,
-                      machine=self.machine)
+                      machine=self.machine, job_nonce=self.identity.nonce)
         return json.dumps(asdict(lease)).encode()
 
     def _aside(self) -> Path:
@@ -321,12 +369,13 @@ class LeaseKeeper:
         while not self._stop.wait(self.beat_s):
             try:
                 current = read_lease(self.folder)
-                if current is None:  # released by another node of this job as it left
-                    self._create()
-                elif self._is_taken(current):
+                if current is not None and self._is_taken(current):
                     self._stop.set()
                     self.on_lost(current)
                     return
+                self.fence.check()
+                if current is None:  # released by another node of this job as it left
+                    self._create()
                 else:
                     self._write()
             except OSError as e:  # try again at the next beat; say it once
@@ -335,14 +384,10 @@ class LeaseKeeper:
                     self._warned = True
 
     def _is_taken(self, current: Lease) -> bool:
-        theirs = current.identity
-        return theirs.job != self.identity.job or theirs.copy > self.identity.copy
+        return self.identity.is_taken_by(current.identity)
 
     def _stop_process(self, current: Lease) -> None:
-        log.error("checkpoint folder %s was taken over by %s on host %s (pid %d): this job "
-                  "stops without writing more", self.folder, current.identity.describe(),
-                  current.host, current.pid)
-        distributed.end_process(EXIT_LOST)
+        leave(taken_over(self.folder, current))
 
     def close(self, release: bool = True) -> None:
         """Stops renewing; releases the lease (if this keeper wrote it last) unless told not
@@ -362,6 +407,12 @@ class LeaseKeeper:
                 self.path.unlink()
 
 
+def taken_over(folder: Path, current: Lease) -> Over:
+    return Over(f"checkpoint folder {folder} was taken over by {current.identity.describe()} on "
+                f"host {current.host} (pid {current.pid}): this job stops without writing more",
+                EXIT_LOST)
+
+
 def read_lease_file(path: Path) -> Lease | None:
     try:
         return Lease(**json.loads(Path(path).read_text()))
@@ -376,10 +427,27 @@ def seen(lease: Lease) -> str:
 
 class LeaseHold:
     """What the job tells its lease as it ends: the exit status, which says whether the folder
-    is left to a restart (EXIT_PREEMPTED) or released (finished, Ctrl-C)."""
+    is left to a restart (EXIT_PREEMPTED) or released (finished, Ctrl-C). And what every rank
+    asks of it before a write (:meth:`taken`, a reason of the writers' fence)."""
 
-    def __init__(self) -> None:
+    def __init__(self, folder: Path, identity: JobIdentity,
+                 keeper: LeaseKeeper | None = None) -> None:
+        self.folder, self.identity = folder, identity
+        self.keeper = keeper
         self.status: int | None = None
+
+    def fence_renewals(self, fence: NullFence) -> None:
+        """This node's renewals pass the writers' fence too."""
+        if self.keeper is not None:
+            self.keeper.fence = fence
+
+    def taken(self) -> Over | None:
+        """Why this job may write no more into the folder (another job took its lease), or
+        None while the lease is this job's (or none: a node of it released it as it left)."""
+        current = read_lease(self.folder)
+        if current is None or not self.identity.is_taken_by(current.identity):
+            return None
+        return taken_over(self.folder, current)
 
     def ended(self, status: int) -> int:
         self.status = status
@@ -403,17 +471,23 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
     from elastic_mnist.trainer import PeerStopped
 
     folder = Path(cfg.checkpoint.checkpoint_dir)
-    keeper, outcome = None, None
+    identity, keeper, outcome = None, None, None
     if env.is_local_main:
-        keeper = LeaseKeeper(folder, JobIdentity.of(env), cfg.checkpoint.lease_timeout,
-                             agent_pid=os.getppid() if env.launched else os.getpid())
         try:
-            keeper.acquire(take_over=cfg.checkpoint.take_over)
-        except FolderInUse as e:
-            outcome = ("in use", str(e))
+            identity = JobIdentity.of(env, cfg.run.pg_timeout)
         except OSError as e:
-            outcome = ("cannot write", str(unwritable(folder, e)))
-    outcomes = [o for o in distributed.all_gather_object(outcome, device) if o is not None]
+            outcome = ("in use", f"checkpoint folder {folder}: cannot tell which job this is: {e}")
+        else:
+            keeper = LeaseKeeper(folder, identity, cfg.checkpoint.lease_timeout,
+                                 agent_pid=os.getppid() if env.launched else os.getpid())
+            try:
+                keeper.acquire(take_over=cfg.checkpoint.take_over)
+            except FolderInUse as e:
+                outcome = ("in use", str(e))
+            except OSError as e:
+                outcome = ("cannot write", str(unwritable(folder, e)))
+    gathered = distributed.all_gather_object((outcome, identity), device)
+    outcomes = [o for o, _ in gathered if o is not None]
     if outcomes:
         if keeper is not None and outcome is None:
             keeper.release()  # the job does not start: leave the folder as it was
@@ -423,7 +497,7 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
         if outcome is not None:
             raise CheckpointWriteError(outcome[1])
         raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
-    hold = LeaseHold()
+    hold = LeaseHold(folder, next(i for _, i in gathered if i is not None), keeper)
     if keeper is None:
         yield hold
         return

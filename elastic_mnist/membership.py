@@ -75,6 +75,7 @@ import torch.distributed as dist
 
 from elastic_mnist.distributed import backend_for, end_process
 from elastic_mnist.env import DistEnv
+from elastic_mnist.fence import Over
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,8 @@ WATCH_TIMEOUT = datetime.timedelta(hours=24)
 EXIT_GAVE_UP = 124
 """Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
 restarts its node, and the rendezvous that follows restarts every node."""
+CURRENT = "current"
+"""The key naming the job's current generation, and the processes of the last one it kept."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
 
@@ -225,6 +228,10 @@ class NullMembership:
         """Fault injection at a recovery's ``phase`` (faults.py), for tests."""
 
     def generation_store(self) -> dist.Store | None:
+        return None
+
+    def dropped(self) -> Over | None:
+        """Why this process is no longer one of the job's ranks, or None: see :class:`Fence`."""
         return None
 
     def release_agents(self) -> None:
@@ -506,6 +513,7 @@ class Membership(NullMembership):
         self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
         with self._lock:
             self.faulted = self.broken = None
+        self._publish_current([identities[r] for r in members])
         self._start_generation()
         # A creation given up on may still wait on the group's connection, for a member that
         # never came (until the group's timeout): this one then takes a connection of its own.
@@ -562,6 +570,43 @@ class Membership(NullMembership):
         except PeerFailure as e:
             self.failure = f"{phase}: {e}"
             raise
+
+    # --- the job's current generation, for the fence (fence.py) -----------------------------------
+
+    def _publish_current(self, kept: list[Identity]) -> None:
+        """Names this generation the job's current one, with the processes of the last that it
+        ``kept``: every survivor writes the same, before the new group is built, so before any
+        of them commits in it; never over a later one."""
+        value = json.dumps({"generation": self.generation,
+                            "kept": [f"{i.host}:{i.pid}" for i in kept]})
+        store, found = self._connections.declare, ""
+        while (found := store.compare_set(CURRENT, found, value).decode()) != value:
+            if json.loads(found)["generation"] >= self.generation:
+                return
+
+    def dropped(self) -> Over | None:
+        """Why this process is no longer one of the job's ranks (the survivors of a fault went
+        on in a generation without it), or None while it is, or is on its way to the current
+        generation as one of the processes it kept, or left it of its own accord (its last
+        records are its own), or the store does not answer."""
+        generation, rank = self.generation, self.env.rank
+        me = f"{self.identity.host}:{self.identity.pid}"
+        store = self._connections.declare
+        try:
+            if not store.check([CURRENT]):
+                return None
+            current = json.loads(store.get(CURRENT))
+            if current["generation"] <= generation or (current["generation"] == generation + 1
+                                                       and me in current["kept"]):
+                return None
+            key = self._key("fault", generation)
+            fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
+        except RuntimeError:  # the store went: nothing moves the job on without it
+            return None
+        if fault is not None and fault.why == "left" and rank in fault.suspects:
+            return None
+        return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
+                    f"is at {current['generation']}): leaving without writing", EXIT_GAVE_UP)
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.fsutil import atomic_write_bytes
 
 LAYOUT_SUFFIX = ".layout"
@@ -45,15 +46,19 @@ class TensorBoardMetrics(NullMetrics):
 
     Opened with ``purge_step``: whatever an earlier launch logged at that step or later (work lost
     with it, since the checkpoint resumed from is older) is hidden, so steps never rewind.
+    Scalars and images pass ``fence`` (a verdict of the last second will do), a flush always.
     """
 
-    def __init__(self, run_dir: Path, purge_step: int | None = None):
+    def __init__(self, run_dir: Path, purge_step: int | None = None,
+                 fence: NullFence = NO_FENCE):
         from torch.utils.tensorboard import SummaryWriter
 
         self.run_dir = run_dir
+        self.fence = fence
         self.writer = SummaryWriter(log_dir=str(run_dir), purge_step=purge_step)
 
     def scalars(self, step: int, values: dict[str, float]) -> None:
+        self.fence.check(recent=True)
         for tag, value in values.items():
             self.writer.add_scalar(tag, value, global_step=step)
 
@@ -61,6 +66,7 @@ class TensorBoardMetrics(NullMetrics):
         self.writer.add_text(tag, text, global_step=step)
 
     def image(self, tag: str, image: torch.Tensor, step: int) -> None:
+        self.fence.check(recent=True)
         self.writer.add_image(tag, image, global_step=step, dataformats="HWC")
 
     def hparams(self, hparams: dict[str, Any], metric_tags: list[str]) -> None:
@@ -99,9 +105,11 @@ class TensorBoardMetrics(NullMetrics):
         target.chmod(self.run_dir.stat().st_mode & 0o666)  # readable as the folder is
 
     def flush(self) -> None:
+        self.fence.check()
         self.writer.flush()
 
     def close(self) -> None:
+        self.fence.check()
         self.writer.close()
 
 

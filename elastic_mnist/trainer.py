@@ -42,6 +42,7 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.faults import Faults
+from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.membership import (
     CannotRecover,
     Change,
@@ -195,9 +196,11 @@ def lr_at(step: int, peak: float, warmup: int, total: int) -> float:
 class AuditLog:
     """``--audit-samples``: one JSON line per step with the sample indices this rank used,
     written as the rank reaches the step's last collective (scripts/check_audit.py takes, for each
-    step, the newest generation's records, so a step cut short and redone counts once)."""
+    step, the newest generation's records, so a step cut short and redone counts once). Each
+    record passes ``fence`` (a verdict of the last second will do)."""
 
-    def __init__(self, path: Path | None):
+    def __init__(self, path: Path | None, fence: NullFence = NO_FENCE):
+        self.fence = fence
         self.file = None
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -207,6 +210,7 @@ class AuditLog:
                micro_batches: list[torch.Tensor]) -> None:
         if self.file is not None:  # the indices leave the device only for the audit
             indices = torch.cat(micro_batches).tolist() if micro_batches else []
+            self.fence.check(recent=True)
             self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
                                         "world_size": world_size, "time": time.time(),
                                         "indices": indices}) + "\n")

@@ -32,7 +32,7 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
         device = resolve_device(cfg.run.device, env)
         with process_group(env, device, cfg.run.pg_timeout) as store, \
                 checkpoint_folder_lease(cfg, env, device) as lease:  # one live job per folder
-            return lease.ended(run_training(cfg, env, device, store))
+            return lease.ended(run_training(cfg, env, device, store, lease))
     except USER_ERRORS + (CheckpointError, TrainingDiverged, FolderInUse) as e:
         return report_user_error("train", e)
     except PeerStopped as e:

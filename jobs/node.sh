@@ -14,9 +14,9 @@
 #                   number, else from its checksum), the same on every node and another for each
 #                   job, so that jobs whose first nodes share a machine do not collide
 #   RUN_ID          the rendezvous id: the same on every node of one job, and another for each
-#                   job; it names the job for the checkpoint folder's lease, which refuses a
-#                   second job in the folder (elastic-mnist; with NNODES=1 a fresh one for each
-#                   launch, as torchrun --standalone draws)
+#                   job; it names the run (elastic-mnist-HOST-PORT, after RDZV_ENDPOINT; with
+#                   NNODES=1 a fresh one for each launch, as torchrun --standalone draws). The
+#                   checkpoint folder's lease tells jobs apart by their store, not by this id
 #   MAX_RESTARTS    restarts of this node's workers after failures before the agent gives up;
 #                   nodes joining or leaving do not count (3)
 #   RDZV_STORE      who serves the store: `agent`, the agent on the endpoint's host; or
@@ -49,25 +49,24 @@ if [[ -z "${RDZV_ENDPOINT:-}" ]]; then
   fi
   RDZV_ENDPOINT=localhost:0  # this node's agent serves the store on a port the OS chooses
 fi
-if [[ -z "${RUN_ID:-}" ]]; then
-  if [[ "$NNODES" == 1 ]]; then  # a launch of its own, which another must not join
-    RUN_ID=$(cat /proc/sys/kernel/random/uuid 2> /dev/null ||
-      python3 -c 'import uuid; print(uuid.uuid4())')
-  else
-    RUN_ID=elastic-mnist
-  fi
+if [[ -z "${RUN_ID:-}" && "$NNODES" == 1 ]]; then  # a launch of its own, which none may join
+  RUN_ID=$(cat /proc/sys/kernel/random/uuid 2> /dev/null ||
+    python3 -c 'import uuid; print(uuid.uuid4())')
 fi
 
 # HOST without a port: one for this job alone, which every node derives alike.
 if [[ "$RDZV_ENDPOINT" != *:* ]]; then
-  if [[ "$RUN_ID" =~ ^[0-9]{1,18}$ ]]; then  # a SLURM job id, say
+  if [[ "${RUN_ID:-}" =~ ^[0-9]{1,18}$ ]]; then  # a SLURM job id, say
     key=$((10#$RUN_ID))
   else
-    key=$(printf '%s' "$RUN_ID" | cksum)
+    key=$(printf '%s' "${RUN_ID:-elastic-mnist}" | cksum)
     key=${key%% *}
   fi
   RDZV_ENDPOINT=$RDZV_ENDPOINT:$((29400 + key % 1000))
 fi
+# Several nodes without RUN_ID: named after the store they share, alike on every node of the job
+# and another for a job elsewhere.
+RUN_ID=${RUN_ID:-elastic-mnist-${RDZV_ENDPOINT//[^A-Za-z0-9]/-}}
 
 case "${RDZV_STORE:-agent}" in
   agent) is_host=${RDZV_IS_HOST:-auto} ;;

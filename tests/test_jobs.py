@@ -130,7 +130,10 @@ def test_node_sh_single_node_defaults():
     assert options["rdzv_endpoint"] == "localhost:0"  # like --standalone: a port the OS picks
     assert uuid.UUID(options["rdzv_id"]).version == 4  # as --standalone: a job of its own
     assert planned()[0]["rdzv_id"] != options["rdzv_id"]
-    assert planned(NNODES="2", RDZV_ENDPOINT="h:1")[0]["rdzv_id"] == "elastic-mnist"
+    # Several nodes: named after the store they share, alike on every node, another elsewhere.
+    assert planned(NNODES="2", RDZV_ENDPOINT="h:1")[0]["rdzv_id"] == "elastic-mnist-h-1"
+    assert planned(NNODES="2", RDZV_ENDPOINT="h.x:2")[0]["rdzv_id"] == "elastic-mnist-h-x-2"
+    assert planned(NNODES="2", RDZV_ENDPOINT="h")[0]["rdzv_id"] == "elastic-mnist-h-29902"
     assert options["max_restarts"] == "3"
     assert options["monitor_interval"] == "0.5"
     assert conf_of(options) == MEASURED_CONF

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import signal
 import threading
 import time
@@ -20,16 +21,21 @@ import pytest
 import torch
 from launch import cli_cmd, start
 from shared_runs import args_for, newest, wait_until
+from test_faults import state
 
 from elastic_mnist import distributed
-from elastic_mnist.checkpoint import newest_committed_step
+from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import DistEnv, Rendezvous
+from elastic_mnist.events import EventLog, read_events
+from elastic_mnist.fence import Fence, FenceClosed, Over
 from elastic_mnist.lease import (
+    EXIT_LOST,
     LEASE_FILE,
     FolderInUse,
     JobIdentity,
     Lease,
+    LeaseHold,
     LeaseKeeper,
     checkpoint_folder_lease,
     read_lease,
@@ -152,20 +158,83 @@ def test_a_live_keeper_whose_clock_lags_is_not_taken_over(tmp_path):
 
 
 def test_take_over_is_at_once_and_the_job_that_lost_stops_without_writing(tmp_path):
+    """The keeper sees it at its next renewal; the job's writers, fenced by the lease, see it at
+    their next commit, even before that renewal: a queued checkpoint is not committed (nor
+    `latest` moved), no record reaches events.jsonl, and the job leaves with the keeper's line."""
     lost: list[Lease] = []
-    a = keeper(tmp_path, lost=lost)
+    a = LeaseKeeper(tmp_path, JOB_A, 60, on_lost=lost.append)  # no renewal before the end
     a.acquire()
     a.start()
+    over: list[Over] = []
+    fence = Fence(LeaseHold(tmp_path, JOB_A).taken, on_over=over.append)
+    saver = Checkpointer(tmp_path, every=1, keep_last=3, restart_generation=0, fence=fence)
+    events = EventLog(tmp_path / "events.jsonl", fence)
+    saver.maybe_save(lambda: state(1), 1)
+    saver.wait()
+    events.emit("checkpoint", 1)
     b = keeper(tmp_path, JOB_B)
+    b.acquire(take_over=True)
+    saver.maybe_save(lambda: state(2), 2)
+    with pytest.raises(FenceClosed):
+        saver.wait()
+    with pytest.raises(FenceClosed):
+        events.emit("checkpoint", 2)
+    assert [o.status for o in over] == [EXIT_LOST, EXIT_LOST]
+    assert over[0].line == f"checkpoint folder {tmp_path} was taken over by torchrun job job-b " \
+        f"on host {platform.node()} (pid {os.getpid()}): this job stops without writing more"
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000001.json",
+                                                               "step-00000001.pt"]
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
+    events.close()
+    a.close(release=False)
+    assert not lost  # the writers saw it first
+
+    lost = []
+    a = keeper(tmp_path / "renewed", lost=lost)
+    a.acquire()
+    a.start()
+    b = keeper(tmp_path / "renewed", JOB_B)
     b.acquire(take_over=True)
     deadline = time.monotonic() + 5
     while not lost and time.monotonic() < deadline:
         time.sleep(0.02)
     assert lost and lost[0].job == JOB_B.job  # a saw it at its next renewal
     time.sleep(3 * a.beat_s)
-    assert read_lease(tmp_path).job == JOB_B.job  # and wrote nothing after
+    assert read_lease(tmp_path / "renewed").job == JOB_B.job  # and wrote nothing after
     a.close()
-    assert read_lease(tmp_path).job == JOB_B.job  # nor released what is not its own
+    assert read_lease(tmp_path / "renewed").job == JOB_B.job  # nor released what is not its own
+
+
+def test_two_jobs_with_one_run_id_differ_and_one_jobs_nodes_agree_without_a_rendezvous_id(
+        tmp_path):
+    """A job is told by a nonce drawn once in its rendezvous store, whatever its run id: two
+    multi-node jobs of one run id (two stores) into one folder, the second is refused; the two
+    nodes of one job launched without --rdzv_id (torchrun's "none") are both admitted, and so is
+    the job's restart, while its store lives."""
+    from torch.distributed import TCPStore
+
+    def node(store: TCPStore, run_id: str) -> DistEnv:
+        return DistEnv(rank=0, world_size=2, launched=True, run_id=run_id,
+                       rendezvous=Rendezvous("127.0.0.1", store.port, run_id or "none"))
+
+    first, second = (TCPStore("127.0.0.1", 0, is_master=True) for _ in range(2))
+    job = LeaseKeeper(tmp_path / "same-id", JobIdentity.of(node(first, "job42")), 60)
+    job.acquire()
+    other = JobIdentity.of(node(second, "job42"))
+    assert other.job == job.identity.job and other.nonce != job.identity.nonce
+    with pytest.raises(FolderInUse, match="in use by another job of the same rendezvous id "
+                                          r"\(another rendezvous store\): torchrun job job42"):
+        LeaseKeeper(tmp_path / "same-id", other, 60).acquire()
+    LeaseKeeper(tmp_path / "same-id", JobIdentity.of(node(first, "job42")), 60).acquire()
+
+    nodes = [LeaseKeeper(tmp_path / "no-id", JobIdentity.of(node(first, None)), 60)
+             for _ in range(2)]
+    for n in nodes:
+        n.acquire()  # never refused
+    assert nodes[0].identity == nodes[1].identity != job.identity
+    with pytest.raises(FolderInUse):
+        LeaseKeeper(tmp_path / "no-id", JobIdentity.of(node(second, None)), 60).acquire()
 
 
 def test_a_requeued_copy_takes_over_from_an_older_copy_of_its_job(tmp_path):
@@ -219,13 +288,15 @@ def test_node_local_folders_each_get_a_lease_and_a_refusal_anywhere_leaves_none(
     cfg = TrainConfig()
     cfg.checkpoint.checkpoint_dir = str(tmp_path / "node0")
     env = DistEnv(rank=0, world_size=2, local_world_size=1, launched=True, run_id="job-a")
-    other = ("in use", "checkpoint folder /node1/ckpt is in use by another job: ...")
+    other = (("in use", "checkpoint folder /node1/ckpt is in use by another job: ..."),
+             JobIdentity.of(env))
     monkeypatch.setattr(distributed, "all_gather_object", lambda mine, device: [mine, other])
     with pytest.raises(FolderInUse, match="/node1/ckpt is in use"), \
             checkpoint_folder_lease(cfg, env, torch.device("cpu")):
         pass
     assert not (tmp_path / "node0" / LEASE_FILE).exists()
-    monkeypatch.setattr(distributed, "all_gather_object", lambda mine, device: [mine, None])
+    monkeypatch.setattr(distributed, "all_gather_object",
+                        lambda mine, device: [mine, (None, JobIdentity.of(env))])
     with checkpoint_folder_lease(cfg, env, torch.device("cpu")) as hold:
         assert read_lease(tmp_path / "node0").job == "torchrun:job-a"
         hold.ended(EXIT_PREEMPTED)  # a restart may follow: kept

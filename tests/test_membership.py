@@ -22,7 +22,9 @@ import torch
 from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
+from elastic_mnist.fence import Over
 from elastic_mnist.membership import (
+    EXIT_GAVE_UP,
     PULSE_S,
     Fault,
     Identity,
@@ -214,6 +216,32 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     lines = [r.getMessage() for r in caplog.records
              if "recovery in process failed" in r.getMessage()]
     assert len(lines) == 2 and "while agreeing on who is left: the other ranks went on" in lines[1]
+
+
+@pytest.mark.parametrize("why", ["hung", "left"])
+def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why):
+    """Survivors name their generation the job's current one, with the processes they kept,
+    before they build its group: a rank of the generation before that was not kept is dropped
+    (unless it left of its own accord: its last records are its own); a kept one still on its
+    way is not; a later generation is never named over by an earlier one."""
+    survivor, other = members(1, 3), members(2, 3)  # rank 0: another survivor, elsewhere
+    other.identity = dataclasses.replace(other.identity, pid=other.identity.pid + 1)
+    first = dataclasses.replace(survivor.identity, pid=1)
+    assert survivor.dropped() is None and other.dropped() is None  # no generation named yet
+    survivor.declare(why, [2])
+    survivor.generation = 1  # rank 0 got there first
+    survivor._publish_current([first, survivor.identity])
+    survivor.generation = 0
+    assert survivor.dropped() is None  # on its way to generation 1
+    assert other.dropped() == (None if why == "left" else Over(
+        "rank 2 was dropped from the job at generation 0 (the job is at 1): leaving without "
+        "writing", EXIT_GAVE_UP))
+    survivor.generation = 2
+    survivor._publish_current([first])
+    survivor.generation = 1
+    survivor._publish_current([first, survivor.identity])  # late: changes nothing
+    assert survivor.dropped().line.endswith("generation 1 (the job is at 2): leaving without "
+                                            "writing")
 
 
 def connections_to(port: int) -> int:

@@ -10,11 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 from launch import REPO, clean_env, cli_cmd, free_port, kill_tree, run, torchrun_cmd
 from shared_runs import inspect, newest
@@ -309,3 +311,61 @@ def test_a_port_in_use_for_the_store_is_a_clear_error():
     assert done.returncode == 2
     line = done.stdout.strip().splitlines()[-1]
     assert line.startswith("elastic-mnist rendezvous: error:") and str(port) in line
+
+
+def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_path):
+    """Two plain torchrun agents of one worker, into one folder, without --rdzv_id (both nodes
+    admitted by the lease: one job). Rank 0 freezes (SIGSTOP) as its writer is about to commit
+    step 3's checkpoint; rank 1 names it after --hang-timeout and goes on alone, as rank 0, in
+    its own process, to the end. Woken (SIGCONT), the old rank 0 leaves with one line and the
+    gave-up status, and nothing of it reaches the folders: not its queued checkpoint, nor
+    `latest`, nor a record of the generation that is over, nor TensorBoard, nor the lease."""
+    from shared_runs import args_for
+
+    port = free_port()
+    args = args_for(tiny_digits, tmp_path, "--run-id", "fenced", "--epochs", "1",
+                    "--checkpoint-every", "1", "--keep-last", "100", "--hang-timeout", "2")
+    env = clean_env(**{FAULT_VAR: "hang-save@3"})
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
+         f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
+         "-m", "elastic_mnist", *args],
+        env=env, stdout=(tmp_path / f"agent{i}.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True) for i, host in enumerate((True, False))]
+
+    def logs() -> str:
+        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+
+    def folders() -> dict[str, bytes]:
+        return {str(path.relative_to(tmp_path)): path.read_bytes()
+                for path in sorted((tmp_path / "ckpt").rglob("*"))
+                + sorted((tmp_path / "runs").rglob("*")) if path.is_file()}
+
+    try:
+        assert agents[1].wait(timeout=90) == 0, logs()  # the survivor's agent ends
+        (frozen,) = psutil.Process(agents[0].pid).children()
+        assert frozen.status() == psutil.STATUS_STOPPED, logs()
+        left, frozen_at = folders(), len((tmp_path / "agent0.log").read_text())
+        frozen.send_signal(signal.SIGCONT)
+        assert agents[0].wait(timeout=60) != 0, logs()
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    woken = (tmp_path / "agent0.log").read_text()[frozen_at:]
+    assert "exitcode  : 124" in woken, woken  # torchrun's summary of it
+    said = [line for line in woken.splitlines() if "[rank 0]" in line]
+    assert len(said) == 1, woken
+    assert "ERROR rank 0 was dropped from the job at generation 0 (the job is at 1): leaving " \
+        "without writing" in said[0], woken
+    now = folders()
+    train_log = "runs/fenced/train.log"  # where the one line also goes
+    assert now.pop(train_log).startswith(left.pop(train_log))
+    assert now == left  # nothing else of it, not a byte
+    events = read_events(tmp_path / "runs" / "fenced" / "events.jsonl")
+    (shrink,) = [e for e in events if e["event"] == "shrink"]
+    assert (shrink["lost_ranks"], shrink["restart_generation"]) == ([0], 1)
+    assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000010\n"
+    assert all(json.loads(p.read_text())["restart_generation"] == 1
+               for p in (tmp_path / "ckpt").glob("step-*.json")
+               if int(p.stem.split("-")[1]) >= 3)  # the survivor's, from the frozen step on
