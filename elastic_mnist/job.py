@@ -125,7 +125,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
 
     duties.watch(trainer)
     trainer.on_change = partial(duties.hand_over, trainer)
-    duties.membership.on_fallback = partial(record_fallback, trainer, run_dir)
+    duties.membership.on_fallback = partial(record_fallback, trainer, run_dir, duties.fence)
     try:
         with stop_on_signals() as stop:
             try:
@@ -339,7 +339,7 @@ def record_hang(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict)
         events.close()
 
 
-def record_fallback(trainer: Trainer, run_dir: Path, record: dict) -> None:
+def record_fallback(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict) -> None:
     """The ``fallback`` event: a recovery in process failed, torchrun restarts the job. Rank 0
     writes it in its log; another rank, its node's first, in the run folder's events.jsonl where
     this node can see it."""
@@ -347,7 +347,7 @@ def record_fallback(trainer: Trainer, run_dir: Path, record: dict) -> None:
     if trainer.env.is_main:
         trainer.events.emit("fallback", step, **record)
     elif trainer.env.is_local_main and run_dir.is_dir():
-        events = EventLog(run_dir / "events.jsonl")
+        events = EventLog(run_dir / "events.jsonl", fence)  # a rank dropped meanwhile: nothing
         events.emit("fallback", step, **record)
         events.close()
 

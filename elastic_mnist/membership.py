@@ -406,18 +406,18 @@ class Membership(NullMembership):
 
         ``generation``: the one the verdict was made in (the watchdog's, which names ranks of
         its own generation); a verdict on a generation that is over is dropped (None)."""
-        fault = Fault(why, sorted(suspects), self.env.rank, detail, time.time())
-        value = json.dumps(asdict(fault))
         store = self._connections.declare
         with self._declaring:
-            if generation is not None and generation != self.generation:
+            env, current = self.env, self.generation  # keys of one generation, read once
+            if generation is not None and generation != current:
                 log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
-                         generation, why, suspects, self.generation)
+                         generation, why, suspects, current)
                 return None
-            agreed = store.compare_set(self._key("fault"), "", value)
+            fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
+            agreed = store.compare_set(self._key("fault", current), "", json.dumps(asdict(fault)))
             # Every rank that declares wakes every rank: one that dies between the two writes
             # leaves the waking to the others.
-            wake = [self._key(f"wake/{r}") for r in range(self.env.world_size)]
+            wake = [self._key(f"wake/{r}", current) for r in range(env.world_size)]
             store.multi_set(wake, ["fault"] * len(wake))
         return Fault(**json.loads(agreed))
 
@@ -468,7 +468,13 @@ class Membership(NullMembership):
                         evaluated_step=positions[0].evaluated_step, detected=detected,
                         detected_at=detected_at)
         change = self._widen(change, members)
-        self._next_generation(change, identities, members)
+        try:
+            self._next_generation(change, identities, members)
+        except PeerFailure:
+            raise
+        except RuntimeError as e:  # the store went as the generation began: said in one line
+            raise CannotRecover(f"the coordination store does not answer: {_first_line(e)}") \
+                from None
         return change
 
     def _widen(self, change: Change, members: list[int]) -> Change:
@@ -505,7 +511,8 @@ class Membership(NullMembership):
             # gloo's threads may still wait in the old group (for a frozen peer, until its
             # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
             dist.destroy_process_group()
-        self.env, self.generation = change.env, change.generation
+        with self._declaring:  # a verdict declared meanwhile names ranks of one generation
+            self.env, self.generation = change.env, change.generation
         agents = {(identities[r].host, identities[r].agent) for r in members}
         self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
             - len(agents)
@@ -561,10 +568,14 @@ class Membership(NullMembership):
         members = self._pulse_keys
         pulses = Pulses(self.store, members, self.pulse_key) if members else None
         while not finished.wait(PULSE_S):
-            silent = pulses.silent() - {self.env.rank} if pulses is not None else set()
-            if silent:
-                self.declare("died", sorted(silent), f"no pulse from rank(s) "
-                             f"{', '.join(map(str, sorted(silent)))} while {phase}")
+            try:
+                silent = pulses.silent() - {self.env.rank} if pulses is not None else set()
+                if silent:
+                    self.declare("died", sorted(silent), f"no pulse from rank(s) "
+                                 f"{', '.join(map(str, sorted(silent)))} while {phase}")
+            except RuntimeError as e:  # DistStoreError: the store went, nobody to agree with
+                self.failure = f"{phase}: the coordination store does not answer"
+                raise CannotRecover(f"{self.failure}: {_first_line(e)}") from None
         try:
             return guarded.wait()
         except PeerFailure as e:
@@ -629,8 +640,8 @@ class Membership(NullMembership):
         is no round of this process's (see :meth:`_guard_round`)."""
         rdzv = self.env.rendezvous
         state, _ = RendezvousReader(self.store, rdzv.run_id).read()
-        name = agent_name(state, self.identity.agent,
-                          [rdzv.local_addr or socket.getfqdn(), platform.node()])
+        names = [rdzv.local_addr or socket.getfqdn(), platform.node()]
+        name = agent_name(state, self.identity.agent, names, rank=self.env.group_rank)
         if name is None:
             log.error("the rendezvous is in round %d, which does not list this node's torchrun "
                       "agent (pid %d; its keep-alives lapsed): leaving, so that torchrun "
@@ -900,13 +911,14 @@ class RendezvousReader:
             else None
 
 
-def agent_name(state: Any, pid: int, names: list[str]) -> str | None:
-    """The name this host's torchrun agent of pid ``pid`` goes by among the participants of the
-    rendezvous ``state`` (torch's ``_NodeDesc``: the agent's ``--local_addr`` or its host's fully
-    qualified name, its pid): the only participant of that pid, else the one of them named as
-    this host is (``names``), else ``names[0]``. None when no participant has that pid: the round
-    does not list the agent."""
-    mine = [node.addr for node in state.participants if node.pid == pid]
+def agent_name(state: Any, pid: int, names: list[str], rank: int) -> str | None:
+    """The name this host's torchrun agent of pid ``pid`` and rank ``rank`` in the round
+    (``GROUP_RANK``) goes by among the participants of the rendezvous ``state`` (torch's
+    ``_NodeDesc``: the agent's ``--local_addr`` or its host's fully qualified name, its pid;
+    ``participants`` maps each to its rank): the only such participant, else the one of them
+    named as this host is (``names``), else ``names[0]``. None when no participant of that pid
+    holds that rank: the round does not list the agent (agents in containers share pids)."""
+    mine = [node.addr for node, at in state.participants.items() if node.pid == pid and at == rank]
     if not mine:
         return None
     named = [addr for addr in mine if addr in names]

@@ -400,7 +400,7 @@ from elastic_mnist.env import DistEnv, rendezvous_of
 membership.ROUND_CHECK_S = 0.05
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 store.wait(["go"])
-env = DistEnv(rank=1, world_size=2, launched=True, rendezvous=rendezvous_of(
+env = DistEnv(rank=1, world_size=2, group_rank=1, launched=True, rendezvous=rendezvous_of(
     ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{sys.argv[1]}",
      "--rdzv_id=job7", "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
 member = membership.Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x", store),
