@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -35,6 +36,24 @@ pytestmark = pytest.mark.slow
 def records(workdir: Path, kind: str | None = None) -> list[dict]:
     events = read_events(workdir / "shared" / "runs" / "chaos" / "events.jsonl")
     return [e for e in events if kind is None or e["event"] == kind]
+
+
+def two_plain_agents(tmp_path: Path, port: int, args: list[str], env: dict[str, str],
+                     *rdzv_id: str) -> tuple[list[subprocess.Popen], Callable[[], str]]:
+    """The README's plain torchrun line on two nodes of one worker (node 0's agent serves the
+    store), each agent logging to tmp_path/agent<i>.log; and a reader of both logs."""
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *rdzv_id,
+         f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
+         "-m", "elastic_mnist", *args],
+        env=env, stdout=(tmp_path / f"agent{i}.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True) for i, host in enumerate((True, False))]
+
+    def logs() -> str:
+        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+
+    return agents, logs
 
 
 def test_survivors_of_a_frozen_node_go_on_in_process_as_a_restart_would(tmp_path):
@@ -164,16 +183,7 @@ def test_a_peer_frozen_as_ddp_regroups_its_buckets_costs_the_hang_timeout(tiny_d
     args = args_for(tiny_digits, tmp_path, "--run-id", "regroup", "--epochs", "1",
                     "--hang-timeout", "2", "--pg-timeout", "300")
     env = clean_env(**{FAULT_VAR: "hang@2:0"})
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=regroup",
-         f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
-         "-m", "elastic_mnist", *args],
-        env=env, stdout=(tmp_path / f"agent{i}.log").open("w"), stderr=subprocess.STDOUT,
-        start_new_session=True) for i, host in enumerate((True, False))]
-
-    def logs() -> str:
-        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+    agents, logs = two_plain_agents(tmp_path, port, args, env, "--rdzv_id=regroup")
 
     try:
         deadline = time.monotonic() + 90
@@ -326,16 +336,7 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
     args = args_for(tiny_digits, tmp_path, "--run-id", "fenced", "--epochs", "1",
                     "--checkpoint-every", "1", "--keep-last", "100", "--hang-timeout", "2")
     env = clean_env(**{FAULT_VAR: "hang-save@3"})
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-         "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-         f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
-         "-m", "elastic_mnist", *args],
-        env=env, stdout=(tmp_path / f"agent{i}.log").open("w"), stderr=subprocess.STDOUT,
-        start_new_session=True) for i, host in enumerate((True, False))]
-
-    def logs() -> str:
-        return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
+    agents, logs = two_plain_agents(tmp_path, port, args, env)  # no --rdzv_id
 
     def folders() -> dict[str, bytes]:
         return {str(path.relative_to(tmp_path)): path.read_bytes()
