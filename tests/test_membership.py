@@ -85,10 +85,13 @@ def pulses(store):
 
     thread = threading.Thread(target=beat, daemon=True)
     thread.start()
+    # Opened here, not in the tests' timed windows: the store's server looks up the name of each
+    # client that connects, and a lookup the resolver drops stalls it for 5 s (README).
+    reader = store.clone()
 
     def start(*ranks: int) -> Pulses:
         beating.update(ranks)
-        return Pulses(store.clone(), {r: f"pulse/{r}" for r in range(4)}, "pulse/0")
+        return Pulses(reader, {r: f"pulse/{r}" for r in range(4)}, "pulse/0")
 
     yield start
     stop.set()
