@@ -59,7 +59,7 @@ chaos: $(STAMP)
 # The card's shape on this machine: 4 nodes of 8 workers, a node killed and one joining (about
 # 6 minutes on 2 cores). The README's plain torchrun line instead of jobs/node.sh, as it is run:
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 make chaos32 CHAOS_ARGS="--launch torchrun";
-# CHAOS_ARGS="--readme-section chaos32" writes its timings into the README.
+# CHAOS_ARGS="--readme-section chaos32" writes its timings into docs/launching.md.
 chaos32: $(STAMP)
 	$(BIN)/python scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
 		--schedule 10:kill-node:3,40:join --global-batch-size 512 --steps 300 --no-reference \
@@ -73,7 +73,7 @@ REPEATS ?= 10
 recovery-soak: $(STAMP)
 	$(BIN)/python scripts/recovery.py --soak $(SOAK) --repeats $(REPEATS)
 
-# make bench: every contender on this machine (scripts/bench.py), then the README's table
+# make bench: every contender on this machine (scripts/bench.py), then docs/performance.md's table
 # (BENCH_ARGS="--real-data DIR" adds the real digits' rows).
 BENCH_ARGS ?=
 bench: $(STAMP)

@@ -83,8 +83,8 @@ class CheckpointConfig:
     """Checkpoints kept on disk; older ones are pruned after a new one is committed."""
     lease_timeout: float = 15.0
     """Seconds the folder stays this job's after its lease was last renewed (5 times as often),
-    for launches on machines that cannot see whether its processes still run (the README's "One
-    live job per checkpoint folder")."""
+    for launches on machines that cannot see whether its processes still run
+    (docs/operations.md's "One live job per checkpoint folder")."""
     take_over: bool = False
     """Take the folder from the job that holds its lease without waiting for the lease to lapse:
     only when that job is known to be gone (if it is not, it stops at its next renewal)."""

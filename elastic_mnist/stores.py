@@ -7,8 +7,8 @@ is already bound and listening (``master_listen_fd``), it serves on that socket 
 stores this package serves (a job's process-group store, the attempt store, ``elastic-mnist
 rendezvous``) bind the address their peers reach them at: the address the advertised name
 resolves to here. The stores that torch serves itself (torchrun's rendezvous store and the agent
-store it shares with the workers) still listen on every interface; the README's "What listens
-where" lists them all.
+store it shares with the workers) still listen on every interface; docs/operations.md's "What
+listens where" lists them all.
 
 The exception is a name that resolves to a loopback address here while peers on other machines
 use it (a hosts file that maps this machine's name to 127.0.1.1, as Debian's does): they resolve

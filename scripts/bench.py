@@ -75,6 +75,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import markers
 from processes import job_env, kill_tree
 
 from elastic_mnist.checkpoint import newest_committed_step
@@ -82,8 +83,6 @@ from elastic_mnist.events import event_time, read_events
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "bench" / "results.json"
-README = REPO / "README.md"
-README_BEGIN, README_END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 BATCH = 100
 """The seeds' batch size, and every contender's but the GPU fast path's."""
@@ -685,7 +684,7 @@ def measure_recovery_defaults(b: Bench) -> dict[str, float]:
 
 
 def measure_real(b: Bench) -> dict[str, float]:
-    """The README's accuracy run: default flags, 5 epochs on the real 8,000/2,000 split."""
+    """docs/performance.md's accuracy run: default flags, 5 epochs on the real 8,000/2,000 split."""
     assert b.real_split is not None
     work = b.scratch("real")
     args = b.train_args(work, "--epochs", str(b.sizes.real_epochs),
@@ -1025,13 +1024,9 @@ def readme_section(results: dict) -> str:
     return "\n".join(lines)
 
 
-def update_readme(results_path: Path, readme: Path = README) -> None:
-    """Replaces what lies between the bench markers in the README with the latest results."""
-    text = readme.read_text()
-    head, rest = text.split(README_BEGIN, 1)
-    _, tail = rest.split(README_END, 1)
-    section = readme_section(json.loads(results_path.read_text()))
-    readme.write_text(f"{head}{README_BEGIN}\n{section}\n{README_END}{tail}")
+def update_readme(results_path: Path, root: Path = REPO) -> Path:
+    """Replaces the bench block (docs/performance.md's table) with the latest results."""
+    return markers.rewrite("bench", readme_section(json.loads(results_path.read_text())), root)
 
 
 # --- data -------------------------------------------------------------------------------------
@@ -1143,7 +1138,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="scratch folder of the runs, emptied first (default: work/ beside "
                              "--out)")
     parser.add_argument("--update-readme", action="store_true",
-                        help="only rewrite README.md's Performance table from --out")
+                        help="only rewrite docs/performance.md's table from --out")
     return parser
 
 
@@ -1186,8 +1181,7 @@ def main(argv: list[str] | None = None) -> int:
         end_process(child_main(argv))
     args = build_parser().parse_args(argv)
     if args.update_readme:
-        update_readme(args.out)
-        print(f"updated {README} from {args.out}", file=sys.stderr)
+        print(f"updated {update_readme(args.out)} from {args.out}", file=sys.stderr)
         return 0
     unknown = set(args.only or ()) - set(CONTENDERS)
     if unknown:

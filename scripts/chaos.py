@@ -54,6 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import markers
 import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
@@ -442,14 +443,6 @@ def table(faults: list[Fault]) -> str:
     return "\n".join(rows)
 
 
-def update_readme(section: str, text: str, readme: Path = REPO / "README.md") -> None:
-    """``text`` between the README's ``<!-- section:begin -->`` and ``<!-- section:end -->``."""
-    begin, end = f"<!-- {section}:begin -->", f"<!-- {section}:end -->"
-    head, rest = readme.read_text().split(begin)
-    _, tail = rest.split(end)
-    readme.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes at most (3)")
@@ -488,14 +481,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=None,
                         help="also write the faults and their timings to this file")
     parser.add_argument("--readme-section", default=None, metavar="NAME",
-                        help="on a PASS, write the timings into the README between its "
-                             "<!-- NAME:begin --> and <!-- NAME:end --> markers")
+                        help="on a PASS, write the timings between the <!-- NAME:begin --> and "
+                             "<!-- NAME:end --> markers of the README or the docs/ page that "
+                             "has them")
     args = parser.parse_args(argv)
     if not 1 <= args.start_nodes <= args.nodes:
         parser.error("--start-nodes must be between 1 and --nodes")
-    if args.readme_section and f"<!-- {args.readme_section}:begin -->" not in (
-            REPO / "README.md").read_text():
-        parser.error(f"the README has no <!-- {args.readme_section}:begin --> marker")
+    if args.readme_section and markers.holder(args.readme_section) is None:
+        parser.error(f"neither README.md nor docs/ has a {markers.markers(args.readme_section)[0]} "
+                     "marker")
 
     rng = random.Random(args.seed)
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
@@ -636,7 +630,7 @@ def main(argv: list[str] | None = None) -> int:
                        "new round (`Membership._guard_round`).")
     print("\n".join(summary))
     if args.readme_section and not failures:
-        update_readme(args.readme_section, "\n\n".join(summary))
+        markers.rewrite(args.readme_section, "\n\n".join(summary))
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,

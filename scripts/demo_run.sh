@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The run behind the README's figures: two nodes of one worker each on this machine, each its own
+# The run behind docs/dashboards.md's figures: two nodes of one worker each on this machine, each its own
 # jobs/node.sh agent (node 0's serves the rendezvous store). Node 1's worker is SIGKILLed at step
 # 50 (its agent restarts it, and torchrun every worker), node 1 is SIGKILLed whole at step 100
 # (node 0's worker goes on alone, in the same process) and a new node 1 joins at step 130 (every

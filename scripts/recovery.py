@@ -34,6 +34,7 @@ import textwrap
 from pathlib import Path
 
 import chaos
+import markers
 
 from elastic_mnist.events import read_events
 
@@ -141,7 +142,7 @@ def update_readme(table: str, repeats: int) -> None:
         f"{repeats} runs of each, the two modes alternating, on {platform.machine()} with "
         f"{len(os.sched_getaffinity(0))} cores, from `bench/recovery.json`; reproduce with "
         f"`scripts/recovery.py --update-readme`.", width=99)
-    chaos.update_readme("recovery", f"{table}\n\n{note}", REPO / "README.md")
+    markers.rewrite("recovery", f"{table}\n\n{note}", REPO)
 
 
 def main(argv: list[str] | None = None) -> int:

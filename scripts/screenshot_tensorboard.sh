@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The README's TensorBoard picture: the custom scalars tab of LOGDIR's runs, drawn by headless
+# docs/dashboards.md's TensorBoard picture: the custom scalars tab of LOGDIR's runs, drawn by headless
 # Chromium from a TensorBoard that this script starts on a free local port and stops; smoothing
 # off, since world size and restart generation are steps.
 #

@@ -15,6 +15,8 @@ import torch
 from launch import REPO, clean_env, run
 
 sys.path.insert(0, str(REPO / "scripts"))
+import markers
+
 import bench
 
 BENCH = [sys.executable, str(REPO / "scripts" / "bench.py"), "--quick"]
@@ -121,16 +123,19 @@ def test_table_judges_targets_on_the_median():
 
 
 def test_readme_update_touches_only_the_bench_section(tmp_path):
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\n## Performance\n\n{bench.README_BEGIN}\nstale table\n"
-                      f"{bench.README_END}\n\n## Accuracy\n\nkept\n")
+    begin, end = markers.markers("bench")
+    (tmp_path / "README.md").write_text("# Title\n\nno block here\n")
+    (tmp_path / "docs").mkdir()
+    page = tmp_path / "docs" / "performance.md"
+    page.write_text(f"# Performance\n\n{begin}\nstale table\n{end}\n\n## Accuracy\n\nkept\n")
     results = tmp_path / "results.json"
     results.write_text(json.dumps(results_with(worker_vs_seed=2.0)))
-    bench.update_readme(results, readme)
-    text = readme.read_text()
-    assert text.startswith("# Title\n\n## Performance\n\n")
-    assert text.endswith(f"{bench.README_END}\n\n## Accuracy\n\nkept\n")
+    assert bench.update_readme(results, tmp_path) == page
+    text = page.read_text()
+    assert text.startswith("# Performance\n\n")
+    assert text.endswith(f"{end}\n\n## Accuracy\n\nkept\n")
     assert "stale table" not in text and "| Our worker ÷ seed loop | 2 |" in text
+    assert (tmp_path / "README.md").read_text() == "# Title\n\nno block here\n"
     assert "make bench" in text and "a CPU, 2 cores" in text
 
 

@@ -1,9 +1,9 @@
-"""The README's "What listens where", held against the sockets of live jobs.
+"""docs/operations.md's "What listens where", held against the sockets of live jobs.
 
 The launches record what their process trees listen on (tests/launch.py's ``listening``):
 ``killed_run`` under the plain torchrun line (the agent's store shared with the workers) and
 ``interrupted_make_train`` under jobs/local.sh (not shared). Each
-socket found is named by ``identify`` and must be a row of the README's table whose address it
+socket found is named by ``identify`` and must be a row of that table whose address it
 has. A feature that opens a socket adds a row to the table and a case to ``identify``.
 """
 
@@ -18,14 +18,14 @@ import sys
 import pytest
 from launch import REPO, clean_env, kill_tree, listening
 
-README = REPO / "README.md"
+PAGE = REPO / "docs" / "operations.md"
 EVERY_INTERFACE = ("::", "0.0.0.0")
 
 
 def readme_table() -> dict[str, dict[str, str]]:
     """The rows between the listening markers: socket id -> its columns, the address as its
     token (`*`, `advertised`, ...)."""
-    text = README.read_text()
+    text = PAGE.read_text()
     table = text.split("<!-- listening:begin -->")[1].split("<!-- listening:end -->")[0]
     lines = [line for line in table.strip().splitlines() if line.startswith("|")]
     header = [cell.strip() for cell in lines[0].strip("|").split("|")]
@@ -83,14 +83,14 @@ def expected_addresses(token: str, launch: dict) -> set[str]:
 
 
 def check_launch(launch: dict, expected: dict[str, int]) -> None:
-    """Every socket of the launch is a row of the README and has the row's address; ``expected``
+    """Every socket of the launch is a row of the table and has the row's address; ``expected``
     says how many sockets of each row the launch has."""
     rows = readme_table()
     found: dict[str, int] = {}
     for process in launch["processes"]:
         for ip, port in process["sockets"]:
             socket_id = identify(process, port, launch)
-            assert socket_id in rows, f"{socket_id} ({process}) is not in the README's table"
+            assert socket_id in rows, f"{socket_id} ({process}) is not in docs/operations.md's table"
             addresses = expected_addresses(rows[socket_id]["address"], launch)
             assert ip in addresses, (socket_id, ip, port, addresses)
             found[socket_id] = found.get(socket_id, 0) + 1
@@ -101,7 +101,7 @@ def test_the_readme_table_names_every_address_it_uses():
     rows = readme_table()
     assert {"rendezvous", "agent-store", "external-rendezvous", "group-store", "gloo",
             "tensorboard"} <= set(rows)
-    assert "None of them authenticates" in README.read_text()
+    assert "None of them authenticates" in PAGE.read_text()
 
 
 @pytest.mark.slow
