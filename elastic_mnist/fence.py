@@ -12,7 +12,8 @@ of its reason, writing nothing more.
 A check is a round trip to the coordination store (or a read of the lease file): commits and
 records are rare and check every time; what runs every step (audit records) or every
 ``--log-every`` steps (scalars) may reuse a verdict for a second. A freeze that falls between a
-check and the write it allows is the one gap left.
+check and the write it allows is the one gap left. The fence fails closed: a coordination store
+that does not answer cannot say that this process is still the job's, so nothing is committed.
 """
 
 from __future__ import annotations

@@ -599,7 +599,10 @@ class Membership(NullMembership):
         """Why this process is no longer one of the job's ranks (the survivors of a fault went
         on in a generation without it), or None while it is, or is on its way to the current
         generation as one of the processes it kept, or left it of its own accord (its last
-        records are its own), or the store does not answer."""
+        records are its own). Closed when the store does not answer: only the store says whether
+        the job went on without this process (a store gone with its host, or that stalls past
+        its timeout, may have gone with the rest of the job), so nothing is committed on a
+        guess."""
         generation, rank = self.generation, self.env.rank
         me = f"{self.identity.host}:{self.identity.pid}"
         store = self._connections.declare
@@ -612,8 +615,10 @@ class Membership(NullMembership):
                 return None
             key = self._key("fault", generation)
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
-        except RuntimeError:  # the store went: nothing moves the job on without it
-            return None
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            return Over(f"rank {rank} cannot tell whether it is still one of the job's ranks: "
+                        f"the coordination store does not answer ({_first_line(e)}): leaving "
+                        f"without writing", EXIT_GAVE_UP)
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "

@@ -19,10 +19,13 @@ import time
 import psutil
 import pytest
 import torch
+from test_faults import state
 from torch.distributed import PrefixStore, TCPStore
 
+from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
-from elastic_mnist.fence import Over
+from elastic_mnist.events import EventLog, read_events
+from elastic_mnist.fence import Fence, FenceClosed, Over
 from elastic_mnist.membership import (
     EXIT_GAVE_UP,
     PULSE_S,
@@ -242,6 +245,39 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     survivor._publish_current([first, survivor.identity])  # late: changes nothing
     assert survivor.dropped().line.endswith("generation 1 (the job is at 2): leaving without "
                                             "writing")
+
+
+def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_path):
+    """Whether this process is still one of the job's ranks is known only from the store: when
+    it does not answer, a queued checkpoint is not committed (nor `latest` moved, nor its files
+    left), no record is written, and the process leaves with one line."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    env = DistEnv(rank=0, world_size=2, launched=True)
+    member = Membership(env, torch.device("cpu"), PrefixStore("launch", server.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    over: list[Over] = []
+    fence = Fence(member.dropped, on_over=over.append)
+    saver = Checkpointer(tmp_path, every=1, keep_last=1, restart_generation=0, fence=fence)
+    events = EventLog(tmp_path / "events.jsonl", fence)
+    saver.maybe_save(lambda: state(1), 1)
+    saver.wait()
+    events.emit("checkpoint", 1)
+    del server  # the store's host is gone
+    saver.maybe_save(lambda: state(2), 2)
+    with pytest.raises(FenceClosed):
+        saver.wait()
+    with pytest.raises(FenceClosed):
+        events.emit("checkpoint", 2)
+    member.close()
+    events.close()
+    assert [o.status for o in over] == [EXIT_GAVE_UP, EXIT_GAVE_UP]
+    assert over[0].line.startswith("rank 0 cannot tell whether it is still one of the job's "
+                                   "ranks: the coordination store does not answer (")
+    assert over[0].line.endswith("): leaving without writing") and "\n" not in over[0].line
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "events.jsonl", "latest", "step-00000001.json", "step-00000001.pt"]
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
 
 
 def connections_to(port: int) -> int:
