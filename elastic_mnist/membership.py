@@ -63,6 +63,7 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import socket
 import threading
 import time
@@ -120,6 +121,14 @@ class Identity:
     """The agent's name in the rendezvous, as its state names the participant of the agent's
     pid (``--local_addr``, else the agent's own resolver's name for its host); empty without a
     multi-node rendezvous."""
+    nonce: str = ""
+    """Drawn at random by the process as it starts: processes of one host name and pid
+    (containers, each its node's pid 1, on hosts of one name) are told apart by it."""
+
+    @property
+    def key(self) -> str:
+        """This process's own name in the coordination store, unlike any other's."""
+        return f"{self.host}/{self.pid}/{self.nonce}"
 
 
 UNKNOWN = Identity("unknown", 0, 0, 0)
@@ -260,7 +269,8 @@ class Membership(NullMembership):
         self.bound_s = bound_s
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
-        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
+                                 nonce=secrets.token_hex(8))
         self.agents: set[tuple[str, int]] | None = None
         """The agents of the current generation's members; None until a change: the launch's."""
         self.gone_agents = 0
@@ -589,7 +599,7 @@ class Membership(NullMembership):
         ``kept``: every survivor writes the same, before the new group is built, so before any
         of them commits in it; never over a later one."""
         value = json.dumps({"generation": self.generation,
-                            "kept": [f"{i.host}:{i.pid}" for i in kept]})
+                            "kept": [i.key for i in kept]})
         store, found = self._connections.declare, ""
         while (found := store.compare_set(CURRENT, found, value).decode()) != value:
             if json.loads(found)["generation"] >= self.generation:
@@ -604,7 +614,7 @@ class Membership(NullMembership):
         its timeout, may have gone with the rest of the job), so nothing is committed on a
         guess."""
         generation, rank = self.generation, self.env.rank
-        me = f"{self.identity.host}:{self.identity.pid}"
+        me = self.identity.key
         store = self._connections.declare
         try:
             if not store.check([CURRENT]):
@@ -830,7 +840,7 @@ class Pulses:
 
 def pulse_key(identity: Identity) -> str | None:
     """Where the process of ``identity`` raises its pulse (None: it never said who it was)."""
-    return None if identity == UNKNOWN else f"pulse/{identity.host}/{identity.pid}"
+    return None if identity == UNKNOWN else f"pulse/{identity.key}"
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:

@@ -36,6 +36,7 @@ from elastic_mnist.membership import (
     Pulses,
     arrive_at_exit_barrier,
     close_membership,
+    pulse_key,
     rendezvous_round,
     successor_env,
 )
@@ -228,7 +229,6 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     (unless it left of its own accord: its last records are its own); a kept one still on its
     way is not; a later generation is never named over by an earlier one."""
     survivor, other = members(1, 3), members(2, 3)  # rank 0: another survivor, elsewhere
-    other.identity = dataclasses.replace(other.identity, pid=other.identity.pid + 1)
     first = dataclasses.replace(survivor.identity, pid=1)
     assert survivor.dropped() is None and other.dropped() is None  # no generation named yet
     survivor.declare(why, [2])
@@ -278,6 +278,28 @@ def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "events.jsonl", "latest", "step-00000001.json", "step-00000001.pt"]
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
+
+
+def test_processes_of_one_host_name_and_pid_have_pulses_and_places_of_their_own(members):
+    """Containers: every node's worker can be pid 1 on hosts of one name. A process whose pulse
+    stopped is found silent while another of its name and pid lives; and the fence tells a
+    dropped process from a kept one of the same name and pid."""
+    live, stopped = members(0), members(1)  # one process: one host name, one pid
+    assert (live.identity.host, live.identity.pid) == (stopped.identity.host,
+                                                       stopped.identity.pid)
+    stopped.close()  # its pulse stops: frozen, or gone
+    pulses = Pulses(live.store, {r: pulse_key(i) for r, i in live._identities().items()},
+                    live.pulse_key)
+    deadline = time.monotonic() + 10
+    while not (silent := pulses.silent()) and time.monotonic() < deadline:
+        time.sleep(PULSE_S)
+    assert silent == {1}
+    live.declare("hung", [1])
+    live.generation = 1
+    live._publish_current([live.identity])  # the job goes on without rank 1
+    live.generation = 0
+    assert live.dropped() is None
+    assert stopped.dropped().line.startswith("rank 1 was dropped from the job at generation 0")
 
 
 def connections_to(port: int) -> int:
