@@ -87,9 +87,12 @@ the seconds a node that starts a round alone takes to its first checkpoint. A no
 0 reads it at least once per keep-alive interval of its agent, to renew a lapsing one."""
 PULSE_S = 0.1
 """How often each process raises its pulse in the coordination store."""
-SILENT_PULSES = 6
+SILENT_PULSES = 15
 """A process whose pulse stood still while the reader's own moved this many times is gone or
-frozen (about 0.6 s)."""
+frozen (about 1.5 s). Above the second that a live rank's pulse thread can wait for the CPU
+where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6 s was seen,
+and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
+recovery may add to it (it is named by this silence when nothing else fails first)."""
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
 EXIT_GAVE_UP = 124
 """Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
