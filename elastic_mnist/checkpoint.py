@@ -99,7 +99,8 @@ def payload_bytes(payload: dict[str, Any]) -> bytes:
 def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_generation: int,
                      keep_last: int, fence: NullFence = NO_FENCE) -> Manifest:
     """Commits ``payload`` durably: payload, then manifest, then the pointer; then prunes.
-    ``fence`` is asked before each of the three is put in place (fence.py)."""
+    ``fence`` is asked before each of the three is put in place, and before pruning (fence.py):
+    a process the job went on without deletes nothing of it."""
     directory = Path(directory)
     data = payload_bytes(payload)
     progress = payload["progress"]
@@ -133,6 +134,7 @@ def write_checkpoint(directory: Path, payload: dict[str, Any], *, restart_genera
         for path in written:
             path.unlink(missing_ok=True)
         raise
+    fence.check()
     prune(directory, keep_last)
     return manifest
 

@@ -4,15 +4,16 @@ A process can outlive its place in the job. A rank frozen (SIGSTOP, a wedged mac
 by the others, who go on in process in a new generation without it; a job whose checkpoint folder
 another job took (``--take-over``) is no longer the folder's. Woken, such a process still holds
 its writers: a queued checkpoint, ``latest``, events.jsonl, TensorBoard, its audit file. So each
-writer asks the fence right before it commits (each rename of a checkpoint's files, an event
-record, TensorBoard's scalars and flush, an audit record, the run file), and a fence that no
-longer holds ends the process at once, from whichever thread asked, with one line and the status
-of its reason, writing nothing more.
+writer asks the fence right before it commits (each rename of a checkpoint's files, the pruning
+of old ones, an event record, every TensorBoard record, an audit record, the run file), and a
+fence that no longer holds ends the process at once, from whichever thread asked, with one line
+and the status of its reason, writing nothing more.
 
 A check is a round trip to the coordination store (or a read of the lease file): commits and
 records are rare and check every time; what runs every step (audit records) or every
 ``--log-every`` steps (scalars) may reuse a verdict for a second. A freeze that falls between a
-check and the write it allows is the one gap left.
+check and the write it allows is the one gap left. The fence fails closed: a coordination store
+that does not answer cannot say that this process is still the job's, so nothing is committed.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ import logging
 import os
 import pickle
 import platform
+import secrets
 import socket
 import threading
 import time
@@ -86,9 +87,12 @@ the seconds a node that starts a round alone takes to its first checkpoint. A no
 0 reads it at least once per keep-alive interval of its agent, to renew a lapsing one."""
 PULSE_S = 0.1
 """How often each process raises its pulse in the coordination store."""
-SILENT_PULSES = 6
+SILENT_PULSES = 15
 """A process whose pulse stood still while the reader's own moved this many times is gone or
-frozen (about 0.6 s)."""
+frozen (about 1.5 s). Above the second that a live rank's pulse thread can wait for the CPU
+where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6 s was seen,
+and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
+recovery may add to it (it is named by this silence when nothing else fails first)."""
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
 EXIT_GAVE_UP = 124
 """Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
@@ -120,6 +124,14 @@ class Identity:
     """The agent's name in the rendezvous, as its state names the participant of the agent's
     pid (``--local_addr``, else the agent's own resolver's name for its host); empty without a
     multi-node rendezvous."""
+    nonce: str = ""
+    """Drawn at random by the process as it starts: processes of one host name and pid
+    (containers, each its node's pid 1, on hosts of one name) are told apart by it."""
+
+    @property
+    def key(self) -> str:
+        """This process's own name in the coordination store, unlike any other's."""
+        return f"{self.host}/{self.pid}/{self.nonce}"
 
 
 UNKNOWN = Identity("unknown", 0, 0, 0)
@@ -260,7 +272,8 @@ class Membership(NullMembership):
         self.bound_s = bound_s
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
-        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank)
+        self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
+                                 nonce=secrets.token_hex(8))
         self.agents: set[tuple[str, int]] | None = None
         """The agents of the current generation's members; None until a change: the launch's."""
         self.gone_agents = 0
@@ -589,7 +602,7 @@ class Membership(NullMembership):
         ``kept``: every survivor writes the same, before the new group is built, so before any
         of them commits in it; never over a later one."""
         value = json.dumps({"generation": self.generation,
-                            "kept": [f"{i.host}:{i.pid}" for i in kept]})
+                            "kept": [i.key for i in kept]})
         store, found = self._connections.declare, ""
         while (found := store.compare_set(CURRENT, found, value).decode()) != value:
             if json.loads(found)["generation"] >= self.generation:
@@ -599,9 +612,12 @@ class Membership(NullMembership):
         """Why this process is no longer one of the job's ranks (the survivors of a fault went
         on in a generation without it), or None while it is, or is on its way to the current
         generation as one of the processes it kept, or left it of its own accord (its last
-        records are its own), or the store does not answer."""
+        records are its own). Closed when the store does not answer: only the store says whether
+        the job went on without this process (a store gone with its host, or that stalls past
+        its timeout, may have gone with the rest of the job), so nothing is committed on a
+        guess."""
         generation, rank = self.generation, self.env.rank
-        me = f"{self.identity.host}:{self.identity.pid}"
+        me = self.identity.key
         store = self._connections.declare
         try:
             if not store.check([CURRENT]):
@@ -612,8 +628,10 @@ class Membership(NullMembership):
                 return None
             key = self._key("fault", generation)
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
-        except RuntimeError:  # the store went: nothing moves the job on without it
-            return None
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            return Over(f"rank {rank} cannot tell whether it is still one of the job's ranks: "
+                        f"the coordination store does not answer ({_first_line(e)}): leaving "
+                        f"without writing", EXIT_GAVE_UP)
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
@@ -825,7 +843,7 @@ class Pulses:
 
 def pulse_key(identity: Identity) -> str | None:
     """Where the process of ``identity`` raises its pulse (None: it never said who it was)."""
-    return None if identity == UNKNOWN else f"pulse/{identity.host}/{identity.pid}"
+    return None if identity == UNKNOWN else f"pulse/{identity.key}"
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:

@@ -16,6 +16,7 @@ from elastic_mnist.checkpoint import (
     newest_valid,
     write_checkpoint,
 )
+from elastic_mnist.fence import Fence, FenceClosed, Over
 from elastic_mnist.model import build_model, state_digest
 
 
@@ -47,6 +48,24 @@ def test_keeps_only_the_last_k(tmp_path):
         save(tmp_path, step, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [
         "step-00000004.json", "step-00000004.pt", "step-00000005.json", "step-00000005.pt"]
+
+
+def test_a_process_dropped_after_its_commit_prunes_nothing(tmp_path):
+    """Pruning deletes checkpoints: it passes the fence too. A rank 0 dropped (frozen, the job
+    went on without it) right after its commit leaves the new rank 0's checkpoints alone."""
+    save(tmp_path, 1, keep_last=1)
+    over: list[Over] = []
+
+    def dropped_once_committed() -> Over | None:
+        committed = (tmp_path / "latest").read_text() == "step-00000002\n"
+        return Over("rank 0 was dropped", 124) if committed else None
+
+    with pytest.raises(FenceClosed):
+        write_checkpoint(tmp_path, payload(2), restart_generation=0, keep_last=1,
+                         fence=Fence(dropped_once_committed, on_over=over.append))
+    assert len(over) == 1
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == [
+        "step-00000001.json", "step-00000001.pt", "step-00000002.json", "step-00000002.pt"]
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "no_manifest", "garbage_manifest"])

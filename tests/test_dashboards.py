@@ -6,12 +6,14 @@ import itertools
 import json
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 from launch import REPO, clean_env, free_port, kill_tree
 from PIL import Image
 
@@ -170,6 +172,41 @@ def test_layout_is_written_once_and_whole_readable_as_the_folder(tmp_path):
     layout = layout_pb2.Layout.FromString(event.tensor_proto.string_val[0])
     assert event.step == 0 and [c.title for c in layout.category] == ["loss"]
     assert list(layout.category[0].chart[0].multiline.tag) == ["^train/loss$", "^test/loss$"]
+
+
+def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch):
+    """A rank 0 dropped from the job (or whose folder was taken over) writes nothing more into
+    TensorBoard's folder, by any path: scalars, images, text, hparams, the layout, a flush, its
+    close; and no thread of the writer's own writes behind the fence's back (SummaryWriter's
+    flushes from one): what passed the fence is in the file at once, nothing is held back."""
+    from elastic_mnist import fence
+    from elastic_mnist.fence import Fence, FenceClosed, Over
+    from elastic_mnist.metrics import TensorBoardMetrics
+
+    monkeypatch.setattr(fence, "RECENT_S", 0.0)  # every write asks: none reuses a verdict
+    verdict: list[Over | None] = [None]
+    over: list[Over] = []
+    threads = set(threading.enumerate())
+    metrics = TensorBoardMetrics(tmp_path, purge_step=1,
+                                 fence=Fence(lambda: verdict[0], on_over=over.append))
+    assert set(threading.enumerate()) == threads
+    metrics.scalars(1, {"train/loss": 2.0})
+    metrics.text("launch", "hello", 1)
+    files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    assert accumulate(tmp_path).Scalars("train/loss")[0].value == 2.0  # no flush needed
+    verdict[0] = Over("rank 0 was dropped", 124)
+    writes = [lambda: metrics.scalars(2, {"train/loss": 1.0}),
+              lambda: metrics.image("test/predictions", torch.zeros(4, 4, 3), 2),
+              lambda: metrics.text("launch", "again", 2),
+              lambda: metrics.hparams({"lr": 0.1}, ["test/accuracy"]),
+              lambda: metrics.layout({"loss": {"train loss": ["train/loss"]}}),
+              metrics.flush]
+    for write in writes:
+        with pytest.raises(FenceClosed):
+            write()
+    metrics.close()
+    assert len(over) == len(writes)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == files
 
 
 def plot(capsys, *argv: str) -> tuple[int, str]:

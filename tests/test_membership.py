@@ -19,10 +19,13 @@ import time
 import psutil
 import pytest
 import torch
+from test_faults import state
 from torch.distributed import PrefixStore, TCPStore
 
+from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
-from elastic_mnist.fence import Over
+from elastic_mnist.events import EventLog, read_events
+from elastic_mnist.fence import Fence, FenceClosed, Over
 from elastic_mnist.membership import (
     EXIT_GAVE_UP,
     PULSE_S,
@@ -33,6 +36,7 @@ from elastic_mnist.membership import (
     Pulses,
     arrive_at_exit_barrier,
     close_membership,
+    pulse_key,
     rendezvous_round,
     successor_env,
 )
@@ -123,13 +127,18 @@ def test_the_dead_are_left_out_once_their_pulses_stop(store, pulses):
 
 def test_a_live_rank_busy_with_its_own_work_is_waited_for(store, pulses):
     """A survivor still evaluating, saving or recompiling when the others check in comes
-    seconds later: its pulse moves, so it is kept; the dead one (3) is not waited for."""
+    seconds later: its pulse moves, so it is kept, even though its pulse thread, starved of
+    CPU (4 nodes × 8 workers on 2 cores), stood still for its first second; the dead one (3)
+    is not waited for."""
     check_in(store, 0)
+    starved = threading.Timer(1.0, pulses, (1,))  # its pulse moves again after a second
     busy = threading.Timer(2.0, check_in, (store.clone(), 1))
+    starved.start()
     busy.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2],
-                               pulses=pulses(0, 1), limit_s=30)
+                               pulses=pulses(0), limit_s=30)
+    starved.join()
     busy.join()
     assert members == [0, 1] and 2.0 <= time.monotonic() - start < 5
 
@@ -228,7 +237,6 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     (unless it left of its own accord: its last records are its own); a kept one still on its
     way is not; a later generation is never named over by an earlier one."""
     survivor, other = members(1, 3), members(2, 3)  # rank 0: another survivor, elsewhere
-    other.identity = dataclasses.replace(other.identity, pid=other.identity.pid + 1)
     first = dataclasses.replace(survivor.identity, pid=1)
     assert survivor.dropped() is None and other.dropped() is None  # no generation named yet
     survivor.declare(why, [2])
@@ -245,6 +253,61 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     survivor._publish_current([first, survivor.identity])  # late: changes nothing
     assert survivor.dropped().line.endswith("generation 1 (the job is at 2): leaving without "
                                             "writing")
+
+
+def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_path):
+    """Whether this process is still one of the job's ranks is known only from the store: when
+    it does not answer, a queued checkpoint is not committed (nor `latest` moved, nor its files
+    left), no record is written, and the process leaves with one line."""
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
+    env = DistEnv(rank=0, world_size=2, launched=True)
+    member = Membership(env, torch.device("cpu"), PrefixStore("launch", server.clone()),
+                        generation=0, pg_timeout_s=10, bound_s=60)
+    over: list[Over] = []
+    fence = Fence(member.dropped, on_over=over.append)
+    saver = Checkpointer(tmp_path, every=1, keep_last=1, restart_generation=0, fence=fence)
+    events = EventLog(tmp_path / "events.jsonl", fence)
+    saver.maybe_save(lambda: state(1), 1)
+    saver.wait()
+    events.emit("checkpoint", 1)
+    del server  # the store's host is gone
+    saver.maybe_save(lambda: state(2), 2)
+    with pytest.raises(FenceClosed):
+        saver.wait()
+    with pytest.raises(FenceClosed):
+        events.emit("checkpoint", 2)
+    member.close()
+    events.close()
+    assert [o.status for o in over] == [EXIT_GAVE_UP, EXIT_GAVE_UP]
+    assert over[0].line.startswith("rank 0 cannot tell whether it is still one of the job's "
+                                   "ranks: the coordination store does not answer (")
+    assert over[0].line.endswith("): leaving without writing") and "\n" not in over[0].line
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "events.jsonl", "latest", "step-00000001.json", "step-00000001.pt"]
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
+
+
+def test_processes_of_one_host_name_and_pid_have_pulses_and_places_of_their_own(members):
+    """Containers: every node's worker can be pid 1 on hosts of one name. A process whose pulse
+    stopped is found silent while another of its name and pid lives; and the fence tells a
+    dropped process from a kept one of the same name and pid."""
+    live, stopped = members(0), members(1)  # one process: one host name, one pid
+    assert (live.identity.host, live.identity.pid) == (stopped.identity.host,
+                                                       stopped.identity.pid)
+    stopped.close()  # its pulse stops: frozen, or gone
+    pulses = Pulses(live.store, {r: pulse_key(i) for r, i in live._identities().items()},
+                    live.pulse_key)
+    deadline = time.monotonic() + 10
+    while not (silent := pulses.silent()) and time.monotonic() < deadline:
+        time.sleep(PULSE_S)
+    assert silent == {1}
+    live.declare("hung", [1])
+    live.generation = 1
+    live._publish_current([live.identity])  # the job goes on without rank 1
+    live.generation = 0
+    assert live.dropped() is None
+    assert stopped.dropped().line.startswith("rank 1 was dropped from the job at generation 0")
 
 
 def connections_to(port: int) -> int:
