@@ -47,7 +47,7 @@ KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recoverin
          "freeze-recovering", "hang-save")
 FIRST_ATTEMPT = KINDS[1:]
 BUSY_S = 3.0
-"""How late ``busy`` makes its rank: several times what the dead are given to come."""
+"""How late ``busy`` makes its rank: twice the silence that gives the dead away (SILENT_PULSES)."""
 
 
 @dataclass(frozen=True)
