@@ -117,13 +117,15 @@ class PeerStopped(Exception):
 
 
 class GradCheck:
-    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, and
-    the membership whose guard the sum is waited on through."""
+    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, the
+    membership whose guard the sum is waited on through, and on a GPU an event recorded where
+    this rank's own work of the step ends and the sum begins."""
 
     def __init__(self, device: torch.device, membership: NullMembership):
         self.group = None  # the default process group
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.membership = membership
+        self.computed = torch.cuda.Event() if device.type == "cuda" else None
 
 
 class StepFlags:
@@ -176,6 +178,8 @@ def sum_allreduce_hook(state, bucket):
     annotations turn into strings.
     """
     state.nonfinite |= ~torch.isfinite(bucket.buffer()).all()
+    if state.computed is not None:
+        state.computed.record()  # the step's own kernels are queued before it: see _own_work_done
     require_group()
     if dist.get_world_size(state.group) == 1:
         done = torch.futures.Future()
@@ -206,10 +210,16 @@ class AuditLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
+    def indices(self, micro_batches: list[torch.Tensor]) -> list[int]:
+        """The sample indices of this rank's micro-batches, read back from the device at the
+        step's start, before it queues a collective (a read behind one waits for the peers)."""
+        if self.file is None or not micro_batches:  # they leave the device only for the audit
+            return []
+        return torch.cat(micro_batches).tolist()
+
     def record(self, step: int, epoch: int, rank: int, world_size: int,
-               micro_batches: list[torch.Tensor]) -> None:
-        if self.file is not None:  # the indices leave the device only for the audit
-            indices = torch.cat(micro_batches).tolist() if micro_batches else []
+               indices: list[int]) -> None:
+        if self.file is not None:
             self.fence.check(recent=True)
             self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
                                         "world_size": world_size, "time": time.time(),
@@ -224,13 +234,15 @@ class AuditLog:
 def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEnv,
              batch_size: int = 1000,
              computing: contextlib.AbstractContextManager | None = None,
+             waiting: contextlib.AbstractContextManager | None = None,
              all_reduce_: Callable[[torch.Tensor], torch.Tensor] = distributed.all_reduce_,
              ) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
 
     ``digits`` on ``device`` (the Trainer keeps both splits there) means no batch is copied.
-    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait);
-    ``all_reduce_`` sums the ranks' totals (and reads them).
+    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait),
+    ``waiting`` around the sum of the ranks' totals and its read, where NCCL blocks;
+    ``all_reduce_`` sums the ranks' totals.
     """
     was_training = model.training
     model.eval()
@@ -247,7 +259,8 @@ def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEn
                 totals[2] += labels.numel()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the share is computed before the wait begins
-        loss_sum, correct, count = all_reduce_(totals).tolist()
+        with waiting or contextlib.nullcontext():
+            loss_sum, correct, count = all_reduce_(totals).tolist()
     finally:
         model.train(was_training)
     return loss_sum / max(count, 1), correct / max(count, 1)
@@ -614,6 +627,7 @@ class Trainer:
         if self.faults.fires("nan-grad", self.progress.step + 1):
             scale = math.nan  # this rank's gradients, poisoned for a test
 
+        audited = self.audit.indices(mine if counts else [])  # read before any collective
         self.bn_stats.begin_step()
         self.mid_step = True
         if not self.buckets_rebuilt:
@@ -638,6 +652,7 @@ class Trainer:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
         nonfinite = ~torch.isfinite(loss_sum)
+        self._own_work_done()
         if self.ddp is not None:  # DDP's hook looked at this rank's gradients before the sum
             nonfinite |= self.grad_check.nonfinite
         else:
@@ -649,9 +664,10 @@ class Trainer:
         # Recorded before the step's last collective: once any rank has finished the step (and
         # may checkpoint it), every rank's record is written, even if its node dies right after.
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
-                          self.env.world_size, mine if counts else [])
+                          self.env.world_size, audited)
         # One collective for the step: loss, accuracy, the flags of every rank, the BatchNorm
-        # statistics; its head read back to the host once (the step's one sync).
+        # statistics; its head read back to the host once (the step's one sync), a wait for the
+        # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=self.checkpointer.failed,
                                  leave_vote=self.leave_vote(), stop=stop_requested,
                                  nonfinite=nonfinite)
@@ -723,6 +739,19 @@ class Trainer:
         if rebuilt:  # False before the first backward: nothing to regroup yet
             self.buckets_rebuilt = ddp._has_rebuilt_buckets = True
 
+    def _own_work_done(self) -> None:
+        """On a GPU, waits for this rank's own kernels of the step before the waits for its peers
+        (marked by the watchdog): a device that never finishes its own share blocks here,
+        unmarked, and is named, not taken for one waiting. Under DDP the sum was launched in the
+        backward already, after an event the hook recorded: only the work before it is waited
+        for. Else nothing of the peers is queued yet."""
+        if self.device.type != "cuda" or self.env.world_size == 1:
+            return
+        if self.ddp is not None:
+            self.grad_check.computed.synchronize()
+        else:
+            torch.cuda.synchronize(self.device)
+
     def _waiting_if(self, waits: bool):
         return self.watchdog.waiting() if waits else contextlib.nullcontext()
 
@@ -780,7 +809,7 @@ class Trainer:
         step = self.progress.step
         loss, accuracy = evaluate(self.model, self.test_data, self.device, self.env,
                                   computing=self.watchdog.busy("evaluating"),
-                                  all_reduce_=self._all_reduce_)
+                                  waiting=self.watchdog.waiting(), all_reduce_=self._all_reduce_)
         with self.watchdog.busy("logging"):
             self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
             if self.env.is_main:
