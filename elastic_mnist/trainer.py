@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_mnist import distributed
 from elastic_mnist.batchnorm import GlobalBatchNormStats
-from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer
+from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer, snapshot
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.fingerprint import SHORT
@@ -515,10 +515,12 @@ class Trainer:
 
         def join() -> list[object]:
             """The new group's collectives, given up on if it loses a member too (the
-            membership then begins the next round, from the state agreed on)."""
+            membership then begins the next round, from the state agreed on). The state goes
+            in host memory (pickled GPU tensors would land on the holder's GPU index on every
+            receiver); each receiver loads it onto its own device."""
             payload = distributed.broadcast_object(
-                self.state() if self.env.rank == change.holder else None, change.holder,
-                self.device)
+                snapshot(self.state()) if self.env.rank == change.holder else None,
+                change.holder, self.device)
             if self.env.rank != change.holder:
                 self.load_state(payload)
             self.ddp, self.net = self._wrap()  # DDP checks and broadcasts the parameters

@@ -10,7 +10,9 @@ run by scripts/gpu_check.sh): the generator state saved there comes back there.
 from __future__ import annotations
 
 import logging
+import pickle
 import random
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -23,7 +25,8 @@ from elastic_mnist.data.datasets import load
 from elastic_mnist.distributed import resolve_device
 from elastic_mnist.env import DistEnv, EnvError
 from elastic_mnist.job import check_recovery
-from elastic_mnist.membership import NullMembership, PeerFailure
+from elastic_mnist import distributed
+from elastic_mnist.membership import Change, NullMembership, PeerFailure
 from elastic_mnist.trainer import GradCheck, Trainer, sum_allreduce_hook
 
 
@@ -257,3 +260,60 @@ def test_the_cuda_generator_resumes_on_the_gpu(tiny_digits):
     older = through_disk(trainer().state())
     older["rng"]["cuda"] = [older["rng"].pop("cuda_device")] * 8
     trainer().restore(older, "an 8-GPU checkpoint")
+
+
+# --- the state a survivor hands on, in process ---------------------------------------------------
+
+
+def tensors_in(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_in(v)]
+    return []
+
+
+def adopted(trainer: Trainer, monkeypatch) -> dict:
+    """The payload ``trainer`` broadcasts as the holder of the state the survivors agree on."""
+    sent = []
+
+    def broadcast_object(obj, src, device):
+        sent.append(obj)
+        return obj
+
+    monkeypatch.setattr(distributed, "broadcast_object", broadcast_object)
+    trainer.adopt(Change(env=DistEnv(), generation=1, old_world_size=2, lost=[], why="died",
+                         step=0, holder=0, steps_redone=0, evaluated_step=-1,
+                         detected=time.monotonic(), detected_at=time.time()))
+    (payload,) = sent
+    return payload
+
+
+def test_the_state_a_survivor_hands_on_is_a_copy_in_host_memory(tiny_digits, monkeypatch):
+    """As a checkpoint's snapshot takes it: never the live (on a GPU, device) tensors."""
+    trainer = trainer_on(tiny_digits, "cpu")
+    trainer.train_step(trainer.global_batch(), stop_requested=False)  # optimizer state too
+    payload = adopted(trainer, monkeypatch)
+    live = {t.data_ptr() for t in tensors_in(trainer.model.state_dict())
+            + tensors_in(trainer.optimizer.state_dict())}
+    sent = tensors_in(payload["model"]) + tensors_in(payload["optimizer"])
+    assert len(sent) > len(trainer.model.state_dict())
+    assert all(t.device.type == "cpu" for t in tensors_in(payload))
+    assert not live & {t.data_ptr() for t in sent}
+
+
+@pytest.mark.cuda
+def test_the_state_a_survivor_hands_on_leaves_the_gpu(tiny_digits, monkeypatch):
+    """Sent from a GPU, the payload holds CPU tensors only; a receiver loads it onto its own."""
+    cfg = TrainConfig()
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 64, 32
+    trainer = Trainer(cfg, DistEnv(), torch.device("cuda", 0), load(tiny_digits, "synthetic"),
+                      run_id="devices", restart_generation=0)
+    trainer.train_step(trainer.global_batch(), stop_requested=False)
+    payload = adopted(trainer, monkeypatch)
+    assert {t.device.type for t in tensors_in(payload)} == {"cpu"}
+    trainer.load_state(pickle.loads(pickle.dumps(payload)))  # as broadcast_object_list does
+    assert {t.device for t in tensors_in(trainer.model.state_dict())} == {trainer.device}
+    trainer.train_step(trainer.global_batch(), stop_requested=False)
