@@ -27,6 +27,7 @@ from elastic_mnist.env import DistEnv, EnvError
 from elastic_mnist.job import check_recovery
 from elastic_mnist import distributed
 from elastic_mnist.membership import Change, NullMembership, PeerFailure
+from elastic_mnist.model import build_model
 from elastic_mnist.trainer import GradCheck, Trainer, sum_allreduce_hook
 
 
@@ -235,6 +236,18 @@ def test_the_cpu_and_python_generators_resume(tiny_digits, cuda_generators):
     assert cuda_generators.set == [(100, 2)]  # device 0's state, onto this rank's device 2
 
 
+def test_building_the_model_leaves_every_gpus_generator_alone(monkeypatch):
+    """``torch.manual_seed`` would reseed each GPU's generator as well, and nothing would put it
+    back: every Trainer built would reset it, to the state a checkpoint saves and restores."""
+    reseeded = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", reseeded.append)
+    monkeypatch.setattr(torch.cuda, "manual_seed", reseeded.append)
+    state = torch.get_rng_state()
+    first, again = build_model(5).state_dict(), build_model(5).state_dict()
+    assert reseeded == [] and torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+
+
 @pytest.mark.cuda
 def test_the_cuda_generator_resumes_on_the_gpu(tiny_digits):
     """Saved on this GPU, a CPU checkpoint, and an older one listing 8 GPUs: each loads here."""
@@ -248,10 +261,15 @@ def test_the_cuda_generator_resumes_on_the_gpu(tiny_digits):
 
     torch.cuda.manual_seed(7)
     torch.rand(10, device="cuda")
-    payload = through_disk(trainer().state())
+    before = torch.cuda.get_rng_state()
+    source = trainer()
+    assert torch.equal(torch.cuda.get_rng_state(), before)  # building one leaves it alone
+    torch.rand(3, device="cuda")  # the generator moves on after the construction
+    payload = through_disk(source.state())
     expected = torch.rand(4, device="cuda")
-    torch.rand(100, device="cuda")
-    trainer().restore(payload, "a checkpoint")
+    target = trainer()
+    torch.rand(100, device="cuda")  # after the construction: only the restore brings it back
+    target.restore(payload, "a checkpoint")
     assert torch.equal(torch.rand(4, device="cuda"), expected)
 
     cpu_payload = through_disk(Trainer(cfg, DistEnv(), torch.device("cpu"), data,
