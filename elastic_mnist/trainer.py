@@ -40,7 +40,12 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, epoch_number, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
-from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
+from elastic_mnist.fast_path import (
+    adamw_kernels,
+    choose_compilation,
+    micro_batches_per_rank,
+    set_float32_math,
+)
 from elastic_mnist.faults import Faults
 from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.membership import (
@@ -316,8 +321,7 @@ class Trainer:
             self.model.to(memory_format=torch.channels_last)
         self.bn_stats = GlobalBatchNormStats(self.model, compiled=cfg.run.compile)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
-                                           weight_decay=o.weight_decay,
-                                           fused=device.type == "cuda")  # one kernel, not dozens
+                                           weight_decay=o.weight_decay, **adamw_kernels(device))
         self.grad_check = GradCheck(device, self.membership)
         if env.world_size > 1 and not (env.is_distributed and o.grad_sync == "ddp"):
             for tensor in self.model.state_dict().values():
@@ -387,7 +391,12 @@ class Trainer:
     def load_state(self, payload: dict[str, Any]) -> None:
         """Takes the state of a payload (a checkpoint's, or a peer's after a change)."""
         self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        saved = payload["optimizer"]
+        kernels = {key: self.optimizer.defaults[key] for key in ("fused", "foreach")}
+        # This device's kernels, whatever device saved the state (set before the load, which
+        # places each parameter's step count where the fused kernel wants it).
+        self.optimizer.load_state_dict({**saved, "param_groups": [
+            {**group, **kernels} for group in saved["param_groups"]]})
         for group in self.optimizer.param_groups:  # flags may change between launches
             group["weight_decay"] = self.cfg.optim.weight_decay
         self.progress = Progress(**payload["progress"])

@@ -18,14 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from elastic_mnist import distributed
+from elastic_mnist import trainer as trainer_module
 from elastic_mnist.checkpoint import deserialize, payload_bytes
 from elastic_mnist.cli import main
 from elastic_mnist.config import ConfigError, TrainConfig
 from elastic_mnist.data.datasets import load
 from elastic_mnist.distributed import resolve_device
 from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.job import check_recovery
-from elastic_mnist import distributed
 from elastic_mnist.membership import Change, NullMembership, PeerFailure
 from elastic_mnist.model import build_model
 from elastic_mnist.trainer import GradCheck, Trainer, sum_allreduce_hook
@@ -335,3 +337,52 @@ def test_the_state_a_survivor_hands_on_leaves_the_gpu(tiny_digits, monkeypatch):
     trainer.load_state(pickle.loads(pickle.dumps(payload)))  # as broadcast_object_list does
     assert {t.device for t in tensors_in(trainer.model.state_dict())} == {trainer.device}
     trainer.train_step(trainer.global_batch(), stop_requested=False)
+
+
+# --- the optimizer's kernels: the device's, whatever device saved the checkpoint -----------------
+
+
+def stepped(trainer: Trainer) -> Trainer:
+    batch = trainer.global_batch()
+    trainer.train_step(batch, stop_requested=False)
+    trainer.advance(len(batch))
+    return trainer
+
+
+def adamw_steps(trainer: Trainer) -> set[int]:
+    return {int(state["step"]) for state in trainer.optimizer.state.values()}
+
+
+def test_adamw_is_fused_on_a_gpu():
+    assert adamw_kernels(torch.device("cuda", 1)) == {"fused": True, "foreach": None}
+    assert adamw_kernels(torch.device("cpu")) == {"fused": False, "foreach": None}
+
+
+@pytest.mark.parametrize("saved, own", [(True, False), (False, True)])
+def test_a_checkpoint_resumes_with_this_devices_adamw(tiny_digits, monkeypatch, saved, own):
+    """A GPU's checkpoint (fused) where the device does not fuse, and a CPU's (unfused) where it
+    does, as a GPU does (shown on the CPU, whose fused kernel torch has too)."""
+    def kernels(fused: bool):
+        return lambda device: {"fused": fused, "foreach": None}
+
+    monkeypatch.setattr(trainer_module, "adamw_kernels", kernels(saved))
+    payload = through_disk(stepped(trainer_on(tiny_digits, "cpu")).state())
+    assert [group["fused"] for group in payload["optimizer"]["param_groups"]] == [saved]
+    monkeypatch.setattr(trainer_module, "adamw_kernels", kernels(own))
+    trainer = trainer_on(tiny_digits, "cpu")
+    trainer.restore(payload, "a checkpoint")
+    assert [group["fused"] for group in trainer.optimizer.param_groups] == [own]
+    assert adamw_steps(stepped(trainer)) == {2}  # its state taken, it steps on with it
+
+
+@pytest.mark.cuda
+def test_a_cpu_checkpoint_resumes_fused_on_the_gpu(tiny_digits):
+    cpu = stepped(trainer_on(tiny_digits, "cpu"))
+    cfg = TrainConfig()
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 64, 32
+    gpu = Trainer(cfg, DistEnv(), torch.device("cuda", 0), load(tiny_digits, "synthetic"),
+                  run_id="devices", restart_generation=0)
+    gpu.restore(through_disk(cpu.state()), "a CPU checkpoint")
+    assert [group["fused"] for group in gpu.optimizer.param_groups] == [True]
+    assert {state["step"].device for state in gpu.optimizer.state.values()} == {gpu.device}
+    assert adamw_steps(stepped(gpu)) == {2}
