@@ -1,6 +1,6 @@
 """The fast path's two global choices, each made in one place and said in the launch summary: how
 float32 convolutions and matmuls compute (``--precision``), and torch.compile's mode
-(``--compile``).
+(``--compile``); and AdamW's kernels, the device's choice.
 
 **Precision.** torch runs cuDNN convolutions in TF32 by default on Ampere and newer GPUs (10 bits
 of mantissa), while cuBLAS matmuls stay IEEE fp32: left alone, "fp32" would be neither. Here
@@ -15,6 +15,10 @@ micro-batch per rank and step the accumulated gradients would be lost (torch's
 of 0.25 where four accumulations should give 1.0). So CUDA graphs are used only where every rank
 runs one micro-batch per step; elsewhere the model is compiled without them (inductor's default
 mode). The launch's world size decides, since a restart may change it.
+
+**AdamW** runs as one fused kernel on a GPU (not dozens per step); elsewhere as torch chooses. A
+checkpoint carries the kernels of the device that wrote it in its parameter groups, and loading
+it would keep them (a CPU checkpoint resumed on a GPU: unfused): the device's own are kept.
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ FLOAT32_MATH = {
     "bf16": "bf16 autocast for convolutions and matmuls; what stays float32 is IEEE fp32 "
             "(TF32 off)",
 }
+
+
+def adamw_kernels(device: torch.device) -> dict[str, bool | None]:
+    """AdamW's ``fused`` and ``foreach`` on ``device``: fused on a GPU."""
+    return {"fused": device.type == "cuda", "foreach": None}
 
 
 def set_float32_math(precision: str) -> str:

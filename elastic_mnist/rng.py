@@ -3,11 +3,12 @@
 A checkpoint holds the CPU generator, Python's, and the CUDA generator of the device that saved it
 (rank 0's), never one per visible GPU: a checkpoint from an 8-GPU node must resume where 1 GPU is
 visible, or none, and one saved on CPU where there are GPUs. Every rank restores the saved CUDA
-state onto its own device; at a fresh start every rank's generators are seeded alike as well
-(``torch.manual_seed`` in ``build_model``), so this is the state they would share.
+state onto its own device; at a fresh start every rank's CUDA generator holds torch's default seed
+alike (``build_model`` seeds the CPU generator alone, and puts it back), so this is the state they
+would share.
 
 Checkpoints written before this (``rng["cuda"]``: one state per GPU visible to rank 0) are read
-too: a rank takes the state of its own device's index if the list has one, and keeps its seeded
+too: a rank takes the state of its own device's index if the list has one, and keeps its own
 generator otherwise, saying so.
 """
 
@@ -48,6 +49,6 @@ def restore_rng_state(rng: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda_state, device)
     elif device.type == "cuda":
         log.info("the checkpoint holds no CUDA generator state for %s (saved on CPU, or where "
-                 "fewer GPUs were visible): %s keeps its seeded generator", device, device)
+                 "fewer GPUs were visible): %s keeps its own generator", device, device)
     elif cuda_state is not None or rng.get("cuda"):
         log.info("the checkpoint's CUDA generator state is not used on %s", device)

@@ -33,14 +33,19 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_mnist import distributed
 from elastic_mnist.batchnorm import GlobalBatchNormStats
-from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer
+from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer, snapshot
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, epoch_number, share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import NullEventLog, utc_time
-from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
+from elastic_mnist.fast_path import (
+    adamw_kernels,
+    choose_compilation,
+    micro_batches_per_rank,
+    set_float32_math,
+)
 from elastic_mnist.faults import Faults
 from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.membership import (
@@ -117,13 +122,15 @@ class PeerStopped(Exception):
 
 
 class GradCheck:
-    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, and
-    the membership whose guard the sum is waited on through."""
+    """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, the
+    membership whose guard the sum is waited on through, and on a GPU an event recorded where
+    this rank's own work of the step ends and the sum begins."""
 
     def __init__(self, device: torch.device, membership: NullMembership):
         self.group = None  # the default process group
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.membership = membership
+        self.computed = torch.cuda.Event() if device.type == "cuda" else None
 
 
 class StepFlags:
@@ -176,6 +183,8 @@ def sum_allreduce_hook(state, bucket):
     annotations turn into strings.
     """
     state.nonfinite |= ~torch.isfinite(bucket.buffer()).all()
+    if state.computed is not None:
+        state.computed.record()  # the step's own kernels are queued before it: see _own_work_done
     require_group()
     if dist.get_world_size(state.group) == 1:
         done = torch.futures.Future()
@@ -206,10 +215,16 @@ class AuditLog:
             path.parent.mkdir(parents=True, exist_ok=True)
             self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
 
+    def indices(self, micro_batches: list[torch.Tensor]) -> list[int]:
+        """The sample indices of this rank's micro-batches, read back from the device at the
+        step's start, before it queues a collective (a read behind one waits for the peers)."""
+        if self.file is None or not micro_batches:  # they leave the device only for the audit
+            return []
+        return torch.cat(micro_batches).tolist()
+
     def record(self, step: int, epoch: int, rank: int, world_size: int,
-               micro_batches: list[torch.Tensor]) -> None:
-        if self.file is not None:  # the indices leave the device only for the audit
-            indices = torch.cat(micro_batches).tolist() if micro_batches else []
+               indices: list[int]) -> None:
+        if self.file is not None:
             self.fence.check(recent=True)
             self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
                                         "world_size": world_size, "time": time.time(),
@@ -224,13 +239,15 @@ class AuditLog:
 def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEnv,
              batch_size: int = 1000,
              computing: contextlib.AbstractContextManager | None = None,
+             waiting: contextlib.AbstractContextManager | None = None,
              all_reduce_: Callable[[torch.Tensor], torch.Tensor] = distributed.all_reduce_,
              ) -> tuple[float, float]:
     """(mean loss, accuracy) over the whole split; each rank computes a share, then all reduce.
 
     ``digits`` on ``device`` (the Trainer keeps both splits there) means no batch is copied.
-    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait);
-    ``all_reduce_`` sums the ranks' totals (and reads them).
+    ``computing`` is entered around this rank's share (the watchdog's "busy": not the wait),
+    ``waiting`` around the sum of the ranks' totals and its read, where NCCL blocks;
+    ``all_reduce_`` sums the ranks' totals.
     """
     was_training = model.training
     model.eval()
@@ -247,7 +264,8 @@ def evaluate(model: nn.Module, digits: Digits, device: torch.device, env: DistEn
                 totals[2] += labels.numel()
             if device.type == "cuda":
                 torch.cuda.synchronize(device)  # the share is computed before the wait begins
-        loss_sum, correct, count = all_reduce_(totals).tolist()
+        with waiting or contextlib.nullcontext():
+            loss_sum, correct, count = all_reduce_(totals).tolist()
     finally:
         model.train(was_training)
     return loss_sum / max(count, 1), correct / max(count, 1)
@@ -303,8 +321,7 @@ class Trainer:
             self.model.to(memory_format=torch.channels_last)
         self.bn_stats = GlobalBatchNormStats(self.model, compiled=cfg.run.compile)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
-                                           weight_decay=o.weight_decay,
-                                           fused=device.type == "cuda")  # one kernel, not dozens
+                                           weight_decay=o.weight_decay, **adamw_kernels(device))
         self.grad_check = GradCheck(device, self.membership)
         if env.world_size > 1 and not (env.is_distributed and o.grad_sync == "ddp"):
             for tensor in self.model.state_dict().values():
@@ -374,7 +391,12 @@ class Trainer:
     def load_state(self, payload: dict[str, Any]) -> None:
         """Takes the state of a payload (a checkpoint's, or a peer's after a change)."""
         self.model.load_state_dict(payload["model"])
-        self.optimizer.load_state_dict(payload["optimizer"])
+        saved = payload["optimizer"]
+        kernels = {key: self.optimizer.defaults[key] for key in ("fused", "foreach")}
+        # This device's kernels, whatever device saved the state (set before the load, which
+        # places each parameter's step count where the fused kernel wants it).
+        self.optimizer.load_state_dict({**saved, "param_groups": [
+            {**group, **kernels} for group in saved["param_groups"]]})
         for group in self.optimizer.param_groups:  # flags may change between launches
             group["weight_decay"] = self.cfg.optim.weight_decay
         self.progress = Progress(**payload["progress"])
@@ -502,10 +524,12 @@ class Trainer:
 
         def join() -> list[object]:
             """The new group's collectives, given up on if it loses a member too (the
-            membership then begins the next round, from the state agreed on)."""
+            membership then begins the next round, from the state agreed on). The state goes
+            in host memory (pickled GPU tensors would land on the holder's GPU index on every
+            receiver); each receiver loads it onto its own device."""
             payload = distributed.broadcast_object(
-                self.state() if self.env.rank == change.holder else None, change.holder,
-                self.device)
+                snapshot(self.state()) if self.env.rank == change.holder else None,
+                change.holder, self.device)
             if self.env.rank != change.holder:
                 self.load_state(payload)
             self.ddp, self.net = self._wrap()  # DDP checks and broadcasts the parameters
@@ -614,6 +638,7 @@ class Trainer:
         if self.faults.fires("nan-grad", self.progress.step + 1):
             scale = math.nan  # this rank's gradients, poisoned for a test
 
+        audited = self.audit.indices(mine if counts else [])  # read before any collective
         self.bn_stats.begin_step()
         self.mid_step = True
         if not self.buckets_rebuilt:
@@ -638,6 +663,7 @@ class Trainer:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
         nonfinite = ~torch.isfinite(loss_sum)
+        self._own_work_done()
         if self.ddp is not None:  # DDP's hook looked at this rank's gradients before the sum
             nonfinite |= self.grad_check.nonfinite
         else:
@@ -649,9 +675,10 @@ class Trainer:
         # Recorded before the step's last collective: once any rank has finished the step (and
         # may checkpoint it), every rank's record is written, even if its node dies right after.
         self.audit.record(self.progress.step + 1, self.progress.epoch, self.env.rank,
-                          self.env.world_size, mine if counts else [])
+                          self.env.world_size, audited)
         # One collective for the step: loss, accuracy, the flags of every rank, the BatchNorm
-        # statistics; its head read back to the host once (the step's one sync).
+        # statistics; its head read back to the host once (the step's one sync), a wait for the
+        # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=self.checkpointer.failed,
                                  leave_vote=self.leave_vote(), stop=stop_requested,
                                  nonfinite=nonfinite)
@@ -723,6 +750,19 @@ class Trainer:
         if rebuilt:  # False before the first backward: nothing to regroup yet
             self.buckets_rebuilt = ddp._has_rebuilt_buckets = True
 
+    def _own_work_done(self) -> None:
+        """On a GPU, waits for this rank's own kernels of the step before the waits for its peers
+        (marked by the watchdog): a device that never finishes its own share blocks here,
+        unmarked, and is named, not taken for one waiting. Under DDP the sum was launched in the
+        backward already, after an event the hook recorded: only the work before it is waited
+        for. Else nothing of the peers is queued yet."""
+        if self.device.type != "cuda" or self.env.world_size == 1:
+            return
+        if self.ddp is not None:
+            self.grad_check.computed.synchronize()
+        else:
+            torch.cuda.synchronize(self.device)
+
     def _waiting_if(self, waits: bool):
         return self.watchdog.waiting() if waits else contextlib.nullcontext()
 
@@ -780,7 +820,7 @@ class Trainer:
         step = self.progress.step
         loss, accuracy = evaluate(self.model, self.test_data, self.device, self.env,
                                   computing=self.watchdog.busy("evaluating"),
-                                  all_reduce_=self._all_reduce_)
+                                  waiting=self.watchdog.waiting(), all_reduce_=self._all_reduce_)
         with self.watchdog.busy("logging"):
             self.metrics.scalars(step, {"test/loss": loss, "test/accuracy": accuracy})
             if self.env.is_main:

@@ -165,7 +165,8 @@ class Watchdog(NullWatchdog):
         self.step = 0
         self.armed = False
         self.busy_with = ""
-        self.waiting_for_peers = False
+        self.waits = 0
+        """How many :meth:`waiting` blocks the training thread is in (they nest)."""
         self.last_progress = time.monotonic()
         self.beats = 0
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
@@ -201,12 +202,18 @@ class Watchdog(NullWatchdog):
     @contextlib.contextmanager
     def waiting(self) -> Iterator[None]:
         """The training thread waits for its peers inside the block (a collective, or the host
-        sync that reads its result): if the group hangs, it is not this rank that hangs it."""
-        self.waiting_for_peers = True
+        sync that reads its result): if the group hangs, it is not this rank that hangs it.
+        Blocks nest: the step's wait holds a collective's own, and the rank waits until the
+        outermost ends (NCCL's collective returns at once; the read after it blocks)."""
+        self.waits += 1
         try:
             yield
         finally:
-            self.waiting_for_peers = False
+            self.waits -= 1
+
+    @property
+    def waiting_for_peers(self) -> bool:
+        return self.waits > 0
 
     def deadline_s(self) -> float:
         return max(self.floor_s, STEPS_PER_DEADLINE * max(self.recent, default=0.0))

@@ -11,7 +11,7 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import USER_ERRORS, report_user_error
-from elastic_mnist.job import run_training
+from elastic_mnist.job import check_recovery, run_training
 from elastic_mnist.lease import FolderInUse, checkpoint_folder_lease
 from elastic_mnist.logs import setup_logging
 from elastic_mnist.membership import EXIT_GAVE_UP, CannotRecover
@@ -30,6 +30,7 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     setup_logging(env)
     try:
         device = resolve_device(cfg.run.device, env)
+        check_recovery(cfg.run.recovery, device)  # before the group: every worker says it
         with process_group(env, device, cfg.run.pg_timeout) as store, \
                 checkpoint_folder_lease(cfg, env, device) as lease:  # one live job per folder
             return lease.ended(run_training(cfg, env, device, store, lease))

@@ -236,7 +236,7 @@ class FloorStep:
         from elastic_mnist.cli import build_parser
         from elastic_mnist.config import train_config_from_args
         from elastic_mnist.data.datasets import load
-        from elastic_mnist.fast_path import choose_compilation, set_float32_math
+        from elastic_mnist.fast_path import adamw_kernels, choose_compilation, set_float32_math
         from elastic_mnist.model import build_model
 
         opts = train_config_from_args(build_parser().parse_args(["train", *flags])).run
@@ -246,7 +246,7 @@ class FloorStep:
         if opts.channels_last:  # as the worker's flags and defaults have it
             self.model.to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3,
-                                           fused=device.type == "cuda")
+                                           **adamw_kernels(device))  # as the worker's
         self.net = self.model
         self.compilation = choose_compilation(device.type, 1, opts.compile)  # a batch per step
         if self.compilation.mode is not None:

@@ -352,7 +352,8 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
                  rank0_waits: bool = True, store_gone: bool = False):
     """Rank 0's watchdog's verdict, rank 1 as ``Peer`` says; rank 0's own training thread is a
     real thread blocked in a host sync that no torch frame shows (as an NCCL rank blocks, the
-    collective having returned at once), inside ``waiting()`` when ``rank0_waits``."""
+    collective having returned at once), inside ``waiting()`` when ``rank0_waits``: the step's
+    wait, holding the collective's own (the trainer's ``_all_reduce_``), closed before the read."""
     import contextlib
     import datetime
     import threading
@@ -372,8 +373,10 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
 
     def host_sync() -> None:  # the training thread: blocked outside torch.distributed
         with dog.waiting() if rank0_waits else contextlib.nullcontext():
+            with dog.waiting() if rank0_waits else contextlib.nullcontext():
+                pass  # the collective, returned at once
             blocked.set()
-            done.wait()
+            done.wait()  # the read of its result
 
     def beat() -> None:
         while not done.wait(0.02):
@@ -410,8 +413,9 @@ def test_the_watchdog_waits_for_a_busy_peer_and_names_a_silent_or_stuck_one():
 
 def test_a_rank_blocked_in_a_marked_host_sync_is_waiting_not_hung():
     """NCCL's collectives return at once; a rank blocks later, in the host sync that reads the
-    result (``.tolist()``), far from torch.distributed's frames. Marked as a wait, it is one:
-    only the peer that is not waiting is named. Unmarked, it would be named too."""
+    result (``.tolist()``), far from torch.distributed's frames, after the collective's own mark
+    has closed inside the step's. Marked as a wait, it is one: only the peer that is not waiting
+    is named. Unmarked, it would be named too."""
     stuck = verdict_with(peer_busy="", peer_beating=True, peer_waiting=False)
     assert stuck.suspects == [1]
     assert stuck.heartbeats[0].waiting and "test_faults.py" in stuck.heartbeats[0].where
@@ -446,3 +450,52 @@ def test_a_heartbeat_says_where_the_training_thread_stands():
         release.set()
         thread.join()
     assert "test_faults.py:" in where and where.endswith(" <lambda>"), where  # not threading.py
+
+
+class NcclLikeSum:
+    """The trainer's ``_all_reduce_`` as it runs on NCCL: its own wait ends at once (the
+    collective is only queued), and the rank blocks later, in the read of the result. Records,
+    at each read, whether the rank was marked as waiting for its peers."""
+
+    def __init__(self, dog: watchdog.Watchdog):
+        self.dog, self.marked_at_reads = dog, []
+
+    def __call__(self, tensor: torch.Tensor) -> NcclLikeSum.Result:
+        with self.dog.waiting():
+            pass
+        return self.Result(tensor, self)
+
+    class Result:
+        def __init__(self, tensor: torch.Tensor, sums: NcclLikeSum):
+            self.tensor, self.sums = tensor, sums
+
+        def __getitem__(self, index) -> NcclLikeSum.Result:
+            return type(self)(self.tensor[index], self.sums)
+
+        def tolist(self) -> list:
+            self.sums.marked_at_reads.append(self.sums.dog.waiting_for_peers)
+            return self.tensor.tolist()
+
+
+def test_the_reads_that_block_on_nccl_are_waits(tiny_digits):
+    """The step's read of its one collective and the evaluation's read of its totals: a rank
+    blocked there waits for its peers (else a stalled peer's verdict names this rank too)."""
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.trainer import Trainer
+
+    cfg = TrainConfig()
+    cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 64, 32
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="waits", restart_generation=0)
+    dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), GoneStore(),
+                            floor_s=10.0, report=lambda record: None)
+    trainer.watchdog, trainer._all_reduce_ = dog, NcclLikeSum(dog)
+    try:
+        trainer.train_step(trainer.global_batch(), stop_requested=False)
+        trainer.log_evaluation()
+    finally:
+        dog.close()
+    assert trainer._all_reduce_.marked_at_reads == [True, True]
+    assert not dog.waiting_for_peers
