@@ -79,8 +79,8 @@ def end_process(code: int) -> NoReturn:
     os._exit(code)
 
 
-def is_active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+def is_active(group: dist.ProcessGroup | None = None) -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
 
 
 def all_reduce_(tensor: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> torch.Tensor:
@@ -96,19 +96,24 @@ def all_agree(ok: bool, device: torch.device) -> bool:
     return bool(all_reduce_(flag, dist.ReduceOp.MIN).item())
 
 
-def all_gather_object(obj: object, device: torch.device) -> list[object]:
-    """Every rank's ``obj``, in rank order, on every rank."""
-    if not is_active():
+def all_gather_object(obj: object, device: torch.device,
+                      group: dist.ProcessGroup | None = None) -> list[object]:
+    """Every rank's ``obj``, in rank order, on every rank (of ``group``, the default one if
+    None)."""
+    if not is_active(group):
         return [obj]
-    gathered: list[object] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, obj)  # NCCL uses the current device, set at group start
+    gathered: list[object] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, obj, group)  # NCCL: the current device, set at start
     return gathered
 
 
-def broadcast_object(obj: object, src: int, device: torch.device) -> object:
-    """``obj`` as held by rank ``src``, on every rank."""
-    if not is_active():
+def broadcast_object(obj: object, src: int, device: torch.device,
+                     group: dist.ProcessGroup | None = None) -> object:
+    """``obj`` as held by rank ``src`` (of ``group``, the default one if None), on every
+    rank."""
+    if not is_active(group):
         return obj
     holder = [obj]
-    dist.broadcast_object_list(holder, src=src, device=device if device.type == "cuda" else None)
+    dist.broadcast_object_list(holder, group=group, group_src=src,
+                               device=device if device.type == "cuda" else None)
     return holder[0]

@@ -20,6 +20,13 @@
                          that rank kills its own node (as ``die``) as it begins to create their
                          new group
     freeze-recovering@STEP:RANK  the same, but it stops itself (SIGSTOP) there
+    die-agreeing@STEP:RANK       in that recovery, that rank kills its own node just after it
+                         checked in, while the survivors agree on who is left (it is counted
+                         among them, and the new group waits for it)
+    freeze-agreeing@STEP:RANK    the same, but it stops itself (SIGSTOP) there
+    die-adopting@STEP:RANK       in that recovery, once the new group is built, that rank kills
+                         its own node as the survivors begin to take the agreed state
+    freeze-adopting@STEP:RANK    the same, but it stops itself (SIGSTOP) there
 
 Each fires at most once per worker process. All but ``nan-grad`` fire only in a launch's first
 attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
@@ -44,7 +51,8 @@ from elastic_mnist.env import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
 KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recovering",
-         "freeze-recovering", "hang-save")
+         "freeze-recovering", "hang-save", "die-agreeing", "freeze-agreeing", "die-adopting",
+         "freeze-adopting")
 FIRST_ATTEMPT = KINDS[1:]
 BUSY_S = 3.0
 """How late ``busy`` makes its rank: twice the silence that gives the dead away (SILENT_PULSES)."""
@@ -102,16 +110,19 @@ class Faults:
             kill_own_node()
 
     def maybe_strike_recovery(self, phase: str, step: int) -> None:
-        """At a recovery's ``phase`` (the membership's) that began in step ``step``."""
+        """At a recovery's ``phase`` (the membership's: where it stands, or "checked in") that
+        began in step ``step``."""
         kinds = {"agreeing on who is left": ("busy",),
-                 "creating the new group": ("die-recovering", "freeze-recovering")}.get(phase, ())
+                 "checked in": ("die-agreeing", "freeze-agreeing"),
+                 "creating the new group": ("die-recovering", "freeze-recovering"),
+                 "adopting the agreed state": ("die-adopting", "freeze-adopting")}.get(phase, ())
         for kind, at in sorted(self.pending):
             if kind in kinds and at <= step:
                 self.pending.discard((kind, at))
                 if kind == "busy":
                     time.sleep(BUSY_S)
                     continue
-                if kind == "die-recovering":
+                if kind.startswith("die-"):
                     kill_own_node()
                 os.kill(os.getpid(), signal.SIGSTOP)
 

@@ -196,14 +196,50 @@ class Connections:
     pulse (see :class:`Pulses`). None of them waits on it."""
     watch: dist.Store
     """The watcher thread's, which waits to be woken."""
-    group: dist.Store
-    """The process group's: gloo's rendezvous."""
+    group: Spares
+    """The process group's: gloo's rendezvous, one for each creation under way."""
     watchdog: dist.Store
     """The watchdog's: heartbeats, and the verdict on a hang."""
 
     @classmethod
     def open(cls, store: dist.Store) -> Connections:
-        return cls(*(store.clone() for _ in dataclasses.fields(cls)))
+        return cls(declare=store.clone(), watch=store.clone(), group=Spares(store),
+                   watchdog=store.clone())
+
+
+class Spares:
+    """Connections to the coordination store that a group's creation takes and gives back: one
+    in use, one spare. A creation given up on can wait on its connection until the group's
+    timeout (for a member that never came); the next round takes the spare instead of opening
+    one in the middle of the recovery, and :meth:`replenish` opens its replacement once the
+    change is over."""
+
+    def __init__(self, store: dist.Store, count: int = 2):
+        self._store, self._count = store, count
+        self._idle = [store.clone() for _ in range(count)]
+        self._lock = threading.Lock()
+
+    def take(self) -> dist.Store:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        log.warning("every spare connection to the coordination store still waits in a group "
+                    "given up on: opening one during the recovery")
+        return self._store.clone()
+
+    def give_back(self, connection: dist.Store) -> None:
+        with self._lock:
+            if len(self._idle) < self._count:
+                self._idle.append(connection)
+
+    def idle(self) -> int:
+        with self._lock:
+            return len(self._idle)
+
+    def replenish(self) -> None:
+        """Opens what the last recovery took and has not given back (outside any recovery)."""
+        while self.idle() < self._count:
+            self.give_back(self._store.clone())
 
 
 class NullMembership:
@@ -297,9 +333,6 @@ class Membership(NullMembership):
         self._connections.declare.add(self.pulse_key, 1)  # exists before this rank says who it is
         self._pulse_keys: dict[int, str] = {}
         """The current generation's members' pulse keys, once a recovery has named them."""
-        self._group_idle = threading.Lock()
-        """Held while a group's creation uses the group's connection (a creation given up on
-        may still wait on it, for a member that never came)."""
         self.phase = "detecting the fault"
         """Where a recovery stands, to say where it failed."""
         self.failure = ""
@@ -353,8 +386,7 @@ class Membership(NullMembership):
             log.warning("the coordination store does not answer (%s); a lost node now ends "
                         "the job", _first_line(e))
             return
-        if generation == self.generation:
-            self.abort(fault)
+        self.abort(fault, generation)  # nothing if the generation is over meanwhile
 
     def close(self) -> None:
         """Stops watching (the job has ended)."""
@@ -379,6 +411,7 @@ class Membership(NullMembership):
             if self.broken is not None:
                 raise PeerFailure(self.broken)
             self._pending.add(mine)
+            generation = self.generation
 
         def settle(done: torch.futures.Future) -> None:
             try:
@@ -389,6 +422,9 @@ class Membership(NullMembership):
                 self._pending.discard(mine)
                 if mine.done():  # given up on already
                     return
+                if generation != self.generation:  # a collective of a group that is gone
+                    mine.set_exception(PeerFailure(f"generation {generation} is over"))
+                    return
                 if error is None:
                     mine.set_result(value)
                     return
@@ -398,9 +434,12 @@ class Membership(NullMembership):
         future.add_done_callback(settle)
         return mine
 
-    def abort(self, fault: Fault) -> None:
-        """Fails every collective this rank waits for, and every later one of the generation."""
+    def abort(self, fault: Fault, generation: int | None = None) -> None:
+        """Fails every collective this rank waits for, and every later one of the generation
+        (``generation``, the current one by default: nothing once it is over)."""
         with self._lock:
+            if generation is not None and generation != self.generation:
+                return
             if self.faulted is None:
                 self.faulted = fault
                 self.broken = f"the group changed: ranks {fault.why} (reported by rank " \
@@ -454,6 +493,7 @@ class Membership(NullMembership):
             self.inject(self.phase)
             self.store.set(self._key(f"in/{self.env.rank}"), json.dumps(asdict(position)))
             self.store.add(self._key("arrivals"), 1)
+            self.inject("checked in")
             identities = self._identities()
             pulses = Pulses(self.store, {r: pulse_key(i) for r, i in identities.items()},
                             self.pulse_key)
@@ -524,38 +564,37 @@ class Membership(NullMembership):
             # gloo's threads may still wait in the old group (for a frozen peer, until its
             # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
             dist.destroy_process_group()
-        with self._declaring:  # a verdict declared meanwhile names ranks of one generation
+        # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
+        # acts in it or not at all.
+        with self._declaring, self._lock:
             self.env, self.generation = change.env, change.generation
+            self.faulted = self.broken = None
         agents = {(identities[r].host, identities[r].agent) for r in members}
         self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
             - len(agents)
         self.agents = agents
         self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
-        with self._lock:
-            self.faulted = self.broken = None
         self._publish_current([identities[r] for r in members])
         self._start_generation()
-        # A creation given up on may still wait on the group's connection, for a member that
-        # never came (until the group's timeout): this one then takes a connection of its own.
-        shared = self._group_idle.acquire(blocking=False)
-        connection = self._connections.group if shared else self.store.clone()
-        generation, env = self.generation, self.env
+        # The group is built in a thread, and made the default one here, in the training
+        # thread, only once it is complete: a creation given up on (a member frozen) may still
+        # complete later, and then changes nothing. Its connection, which it may hold until
+        # the group's timeout, is one of the spares.
+        connection, generation, env = self._connections.group.take(), self.generation, self.env
+        store = dist.PrefixStore(self._key("pg", generation), connection)
 
-        def create() -> None:
+        def create() -> dist.Backend:
             try:
                 if generation != self.generation:  # given up on before it began
                     raise PeerFailure(f"generation {generation} is over")
-                dist.init_process_group(
-                    backend=backend_for(self.device), timeout=self.pg_timeout,
-                    store=dist.PrefixStore(self._key("pg", generation), connection),
-                    rank=env.rank, world_size=env.world_size,
-                    device_id=self.device if self.device.type == "cuda" else None)
+                return connect_group(self.device, store, env.rank, env.world_size,
+                                     self.pg_timeout)
             finally:
-                if shared:
-                    self._group_idle.release()
+                self._connections.group.give_back(connection)
 
         self.inject("creating the new group")
-        self.run("creating the new group", create)
+        backend = self.run("creating the new group", create)
+        install_group(backend, self.device, store, env.rank, env.world_size, self.pg_timeout)
 
     def run(self, phase: str, work: Callable[[], Any]) -> Any:
         """``work()``, the collectives of a recovery's ``phase``, in a thread of its own, waited
@@ -563,7 +602,11 @@ class Membership(NullMembership):
         fault is declared in this generation, which this thread does itself when a member's
         pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
         it completes only if the member it waits for comes back to life, and that one, dropped,
-        leaves (exit 124), so that torchrun restarts the job anyway."""
+        leaves (exit 124), so that torchrun restarts the job anyway.
+
+        ``work`` changes nothing outside itself (no default group, no model, no trainer): it
+        returns what the caller then applies, in the training thread, in the generation it ran
+        for; a thread given up on that completes later changes nothing."""
         self.phase = phase
         done: torch.futures.Future = torch.futures.Future()
 
@@ -644,6 +687,7 @@ class Membership(NullMembership):
             self._deadline.start()
 
     def recovered(self) -> None:
+        self._connections.group.replenish()  # the spare a second fault took
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
@@ -857,6 +901,47 @@ def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identi
                                local_rank=siblings.index(env.rank),
                                local_world_size=len(siblings), group_rank=nodes.index(node),
                                group_world_size=len(nodes))
+
+
+# --- a survivors' group, built apart and then made the default one (torch 2.14.1) ----------------
+
+
+def connect_group(device: torch.device, store: dist.Store, rank: int, world_size: int,
+                  timeout: datetime.timedelta) -> dist.Backend:
+    """The backend of a new group, connected to its members (the wait that a member lost or
+    frozen holds up), and registered nowhere: building it changes nothing in this process."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout  # as init_process_group sets it
+        backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
+        backend.eager_connect_single_device(device)  # as init_process_group with device_id
+        return backend
+    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
+
+
+_BUILT = "elastic_mnist_built"
+"""torch's name, per device type, of a backend that :func:`install_group` hands over."""
+_handed_over: list[dist.Backend] = []
+
+
+def _hand_over(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
+               ) -> dist.Backend:
+    return _handed_over.pop()
+
+
+def install_group(backend: dist.Backend, device: torch.device, store: dist.Store, rank: int,
+                  world_size: int, timeout: datetime.timedelta) -> None:
+    """Makes ``backend`` (see :func:`connect_group`) this process's default group, as
+    ``init_process_group`` would have, without connecting again: torch takes it from a backend
+    registered for the purpose (``Backend.register_backend``), whose creator hands it over.
+    Called by the training thread only."""
+    name = f"{_BUILT}_{device.type}"
+    if not hasattr(dist.Backend, name.upper()):
+        dist.Backend.register_backend(name, _hand_over, devices=[device.type])
+    _handed_over[:] = [backend]
+    dist.init_process_group(backend=name, store=store, rank=rank, world_size=world_size,
+                            timeout=timeout,
+                            device_id=device if device.type == "cuda" else None)
 
 
 # --- torchrun's own records, read and written as its agents do -------------------------------------

@@ -339,9 +339,11 @@ class Trainer:
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
 
-    def _wrap(self) -> tuple[DistributedDataParallel | None, nn.Module]:
+    def _wrap(self, sync: bool = True) -> tuple[DistributedDataParallel | None, nn.Module]:
         """The model as the loop runs it: in DDP on the current group (under torchrun, even
-        alone, unless the gradients are synced by hand), compiled if asked."""
+        alone, unless the gradients are synced by hand), compiled if asked. ``sync``: DDP's
+        collectives at construction (a check of the parameters' shapes, rank 0's parameters
+        broadcast), which a recovery does without: its ranks took one agreed state."""
         ddp = None
         if self.env.is_distributed and self.cfg.optim.grad_sync == "ddp":
             with warnings.catch_warnings():  # its successor would sync buffers at start-up
@@ -351,7 +353,8 @@ class Trainer:
                     device_ids=[self.device.index] if self.device.type == "cuda" else None,
                     broadcast_buffers=False,  # GlobalBatchNormStats keeps buffers equal
                     bucket_cap_mb=1,  # one bucket: all gradients are 116 kB
-                    gradient_as_bucket_view=True)  # no copy between gradients and bucket
+                    gradient_as_bucket_view=True,  # no copy between gradients and bucket
+                    init_sync=sync)
             ddp.register_comm_hook(self.grad_check, sum_allreduce_hook)
         self.buckets_rebuilt = ddp is None
         """DDP's one regrouping of its buckets, after its first backward, is done."""
@@ -522,27 +525,30 @@ class Trainer:
             self.ddp.reducer._remove_autograd_hooks()
             self.ddp = None
 
-        def join() -> list[object]:
-            """The new group's collectives, given up on if it loses a member too (the
-            membership then begins the next round, from the state agreed on). The state goes
-            in host memory (pickled GPU tensors would land on the holder's GPU index on every
-            receiver); each receiver loads it onto its own device."""
-            payload = distributed.broadcast_object(
-                snapshot(self.state()) if self.env.rank == change.holder else None,
-                change.holder, self.device)
-            if self.env.rank != change.holder:
-                self.load_state(payload)
-            self.ddp, self.net = self._wrap()  # DDP checks and broadcasts the parameters
-            return distributed.all_gather_object(state_digest(self.model.state_dict()),
-                                                 self.device)
+        group, holds = dist.group.WORLD, self.env.rank == change.holder  # the new generation's
+        # In host memory: pickled GPU tensors would land on the holder's GPU index on every
+        # receiver; each receiver loads the state onto its own device.
+        state = snapshot(self.state()) if holds else None
+
+        def join() -> tuple[dict[str, Any], list[object]]:
+            """The new group's collectives, on the group they are given: the agreed state and
+            every rank's digest of it. Nothing here changes this trainer: a round given up on
+            (the membership then begins the next one, from the state agreed on) may complete
+            later, and its state is never loaded."""
+            payload = distributed.broadcast_object(state, change.holder, self.device, group)
+            return payload, distributed.all_gather_object(state_digest(payload["model"]),
+                                                          self.device, group)
 
         self.membership.inject("adopting the agreed state")
-        digests = self.membership.run("adopting the agreed state", join)
-        self.compiled_sizes = set()
-        self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
+        payload, digests = self.membership.run("adopting the agreed state", join)
         if len(set(digests)) != 1:
             raise CannotRecover(f"the survivors hold different models after agreeing on step "
                                 f"{change.step}: {sorted(set(digests))}")
+        if not holds:
+            self.load_state(payload)
+        self.ddp, self.net = self._wrap(sync=False)  # the same state everywhere: no collective
+        self.compiled_sizes = set()
+        self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()
 
     def catch_up(self, change: Change) -> None:

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import pickle
+import re
 import socket
 import threading
 import time
@@ -370,8 +371,10 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         renewed = pickle.loads(backend.get_state()[0]).last_heartbeats  # by local rank 0
         assert renewed[agent] > lapsed_at + datetime.timedelta(seconds=19)
         assert renewed[other] == renewed[agent] and renewed[gone] == lapsed_at
-        assert "2 of this job's torchrun agents had sent no keep-alive for up to 20" in \
-            caplog.text
+        # 20 s and the membership's start: each connection it opens can wait for the store's
+        # resolver (5 s), as a recovery's would (see test_a_recovery_opens_no_connection...).
+        assert re.search(r"2 of this job's torchrun agents had sent no keep-alive for up to "
+                         r"2\d\.\d s", caplog.text), caplog.text
         state.round = 4
         backend.set_state(pickle.dumps(state), backend.get_state()[1])
         deadline = time.monotonic() + 10
@@ -808,3 +811,169 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
 
     with pytest.raises(PeerFailure):
         sum_allreduce_hook(GradCheck(torch.device("cpu"), member), Bucket())
+
+
+def a_change(rank: int, world_size: int, generation: int):
+    from elastic_mnist.membership import Change
+
+    return Change(env=DistEnv(rank=rank, world_size=world_size, launched=True),
+                  generation=generation, old_world_size=2, lost=[], why="died", step=3,
+                  holder=0, steps_redone=0, evaluated_step=0, detected=0.0, detected_at=0.0)
+
+
+@contextlib.contextmanager
+def no_group_left():
+    """The default process group a test's recovery built, destroyed at its end (one process)."""
+    try:
+        yield
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, members):
+    """A creation given up on (rank 1 never came) still waits on the group's connection, until
+    the group's timeout: the next round takes the spare one, prepared at start, instead of
+    opening one in the middle of the recovery (every client of the store can stall while the
+    store's server resolves a new client's name); the spare is replaced once the change is
+    over."""
+    mine, theirs = members(0), members(1)
+    identities = mine._identities()
+    before = connections_to(store.port)
+    with no_group_left():
+        threading.Timer(0.5, lambda: mine.declare("died", [1], "never came")).start()
+        with pytest.raises(PeerFailure):
+            mine._next_generation(a_change(0, 2, 1), identities, [0, 1])
+        mine._next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])  # alone now
+        assert connections_to(store.port) == before
+        assert torch.distributed.get_world_size() == 1
+        mine.recovered()  # the first step after the change: outside the recovery
+        assert connections_to(store.port) == before + 1  # the spare, replaced
+    assert theirs.generation == 0
+
+
+LATE_RANK = """import sys
+import torch
+from torch.distributed import PrefixStore, TCPStore
+from elastic_mnist.env import DistEnv
+from elastic_mnist.membership import Membership, PeerFailure
+import test_membership
+
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
+member = Membership(DistEnv(rank=1, world_size=2, launched=True), torch.device("cpu"),
+                    PrefixStore("launch", store), generation=0, pg_timeout_s=60, bound_s=120)
+identities = member._identities()
+store.set("late-rank-creating", "1")
+try:
+    member._next_generation(test_membership.a_change(1, 2, 1), identities, [0, 1])
+except PeerFailure:
+    pass  # woken, it finds generation 1 over
+store.wait(["bye"])
+"""
+
+
+@pytest.mark.slow
+def test_a_group_creation_given_up_on_that_completes_late_changes_nothing(store):
+    """Rank 1 (another process) begins to create generation 1's group and freezes (SIGSTOP);
+    rank 0 gives up on that group when rank 1's pulse stops, and goes on alone in generation 2.
+    Rank 1 wakes, and both sides of generation 1's group complete: rank 0's, given up on,
+    replaces nothing (the default process group stays generation 2's, of one)."""
+    import signal
+    import subprocess
+    import sys
+
+    late = subprocess.Popen([sys.executable, "-c", LATE_RANK, str(store.port)],
+                            cwd=os.path.dirname(__file__))
+    mine = Membership(DistEnv(rank=0, world_size=2, launched=True), torch.device("cpu"),
+                      PrefixStore("launch", store.clone()), generation=0, pg_timeout_s=60,
+                      bound_s=120)
+    try:
+        store.wait(["late-rank-creating"], datetime.timedelta(seconds=60))
+        time.sleep(1)  # it waits for rank 0 in the group's rendezvous
+        late.send_signal(signal.SIGSTOP)
+        identities = mine._identities()
+        with no_group_left():
+            with pytest.raises(PeerFailure, match="ranks died"):  # its pulse stopped
+                mine._next_generation(a_change(0, 2, 1), identities, [0, 1])
+            mine._next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])
+            world = torch.distributed.group.WORLD
+            late.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:  # generation 1's group completes meanwhile
+                assert torch.distributed.group.WORLD is world
+                assert torch.distributed.get_world_size() == 1
+                time.sleep(0.05)
+            assert (mine.generation, mine.broken) == (2, None)
+            assert mine._connections.group.idle() == 2  # its connection back: it completed
+    finally:
+        late.send_signal(signal.SIGCONT)
+        store.set("bye", "1")
+        mine.close()
+        late.wait(timeout=60)
+
+
+def test_a_late_watcher_of_a_generation_that_is_over_changes_nothing(members):
+    """The watcher of generation 0 is woken by a fault, but gets to act on it only after this
+    rank has moved on to generation 1 (a thread held up, a store that stalls): it must not mark
+    generation 1 broken, nor fail its collectives."""
+    mine, theirs = members(0), members(1)
+    held, original = threading.Event(), mine.abort
+
+    def held_up(fault, *args, **kwargs):
+        if threading.current_thread().name == "membership-watch-g0":
+            held.wait(20)
+        return original(fault, *args, **kwargs)
+
+    mine.abort = held_up
+    old_watcher = mine._watcher
+    with no_group_left():
+        theirs.declare("died", [1])
+        time.sleep(0.3)  # mine's g0 watcher is woken, and held up
+        mine._next_generation(a_change(0, 1, 1), {0: mine._identities()[0]}, [0])
+        pending = mine.guard(torch.futures.Future())
+        held.set()
+        old_watcher.join(timeout=10)
+        assert not old_watcher.is_alive()
+        assert mine.broken is None and mine.faulted is None and not pending.done()
+
+
+def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits, members,
+                                                                     monkeypatch):
+    """Rank 1 of a new group of two waits for the agreed state from rank 0; a fault is declared
+    meanwhile, and it gives up on that round (the next one follows). The state arrives only
+    then, in the thread given up on: nothing of it is loaded, no wrapper is built."""
+    from elastic_mnist import distributed
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.model import state_digest
+    from elastic_mnist.trainer import Trainer
+
+    cfg = TrainConfig()
+    cfg.run.device = "cpu"
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="late", restart_generation=1)
+    mine, theirs = members(1), members(0)
+    trainer.membership = mine
+    theirs_state = trainer.state()
+    theirs_state["model"] = {k: v + 1 for k, v in theirs_state["model"].items()}
+    arrives, gathered = threading.Event(), threading.Event()
+
+    def late_state(*args, **kwargs):
+        arrives.wait(20)
+        return theirs_state
+
+    def digests(obj, *args, **kwargs):
+        gathered.set()
+        return [obj, obj]
+
+    monkeypatch.setattr(distributed, "broadcast_object", late_state)
+    monkeypatch.setattr(distributed, "all_gather_object", digests)
+    before, net = state_digest(trainer.model.state_dict()), trainer.net
+    threading.Timer(0.5, lambda: theirs.declare("died", [0], "lost")).start()
+    with pytest.raises(PeerFailure):
+        trainer.adopt(a_change(1, 2, 1))
+    arrives.set()
+    gathered.wait(5)
+    time.sleep(0.5)  # whatever the thread given up on still does, it has done
+    assert state_digest(trainer.model.state_dict()) == before
+    assert trainer.net is net and trainer.change is None
