@@ -283,7 +283,7 @@ def adopted(trainer: Trainer, monkeypatch) -> dict:
     """The payload ``trainer`` broadcasts as the holder of the state the survivors agree on."""
     sent = []
 
-    def broadcast_object(obj, src, device):
+    def broadcast_object(obj, src, device, group=None):
         sent.append(obj)
         return obj
 
