@@ -172,7 +172,9 @@ def probe_futures(device: torch.device, data_dir: Path, env) -> tuple[Checks, di
             inner.set_result(ones)
         wrapper: torch.futures.Future = (torch.futures.Future(devices=wrap_devices)
                                          if wrap_devices else torch.futures.Future())
-        inner.then(lambda done: wrapper.set_result(done.value()))
+        chained = inner.then(lambda done: wrapper.set_result(done.value()))
+        if not wrapper.done():
+            chained.value()  # the callback's error (its own wait would order the streams)
         read = wrapper.wait().sum()  # on the current stream
         total = read.item()
         torch.cuda.synchronize(device)
