@@ -65,31 +65,6 @@ def test_each_step_in_its_bound_and_the_budget_the_summary_written_as_they_go(tm
     assert any(line.startswith("gpu_check: fails: failed (exit 3) (") for line in lines)
 
 
-@pytest.fixture
-def rank_0_of_1(monkeypatch):
-    """The variables gpu_check.py --as-rank-0 sets, put back afterwards."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE", "TORCHELASTIC_RUN_ID"):
-        monkeypatch.setenv(name, "")  # recorded as it was, to be put back
-        monkeypatch.delenv(name)
-
-
-@pytest.mark.parametrize("probe", sorted(gpu_probes.PROBES))
-def test_each_probe_runs_on_cpu_with_the_gpus_checks_left_open(probe, tiny_digits, tmp_path,
-                                                               rank_0_of_1):
-    out = tmp_path / "probe.json"
-    argv = [str(REPO / "scripts" / "gpu_probes.py"), probe, "--device", "cpu",
-            "--data-dir", str(tiny_digits), "--out", str(out)]
-    grouped = gpu_probes.PROBES[probe][1]
-    code = gpu_check.as_rank_0(["--as-rank-0", *argv]) if grouped else gpu_probes.main(argv[1:])
-    assert code == 0
-    found = json.loads(out.read_text())
-    assert found["probe"] == probe and found["device"] == "cpu" and found["checks"]
-    assert False not in found["checks"].values()
-    assert (True in found["checks"].values()) == (probe in ("ddp", "graphs")), found
-    assert not torch.distributed.is_initialized()
-
-
 def test_a_grouped_probe_outside_torchrun_is_one_line_and_exit_2(tiny_digits, tmp_path,
                                                                  capsys):
     assert gpu_probes.main(["ddp", "--device", "cpu", "--data-dir", str(tiny_digits),
@@ -101,11 +76,13 @@ def test_a_grouped_probe_outside_torchrun_is_one_line_and_exit_2(tiny_digits, tm
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run the script itself")
 def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     """The script as run, with the interpreter it is given (the one running the suite: the
-    torch-2.11 venv's under make test-torch211): the smoke test in one CPU process, the other
-    steps skipped (the probes' own test runs them on CPU in this process)."""
+    torch-2.11 venv's under make test-torch211): the smoke test in one CPU process, the probes on
+    CPU (those of a process group in a group of one without torchrun), their GPU checks left
+    open; the bench is left to tests/test_bench.py. The probes run in processes of their own:
+    a gloo group's threads outlive it and can abort the process that made it at its exit."""
     out = tmp_path / "out"
     done = run([str(REPO / "scripts" / "gpu_check.sh"), str(out), "--digits", str(tiny_digits),
-                "--only", "smoke"], env=clean_env(GPU_CHECK_PYTHON=sys.executable),
+                "--only", "smoke,ddp,rng,futures,graphs"], env=clean_env(GPU_CHECK_PYTHON=sys.executable),
                timeout=240)
     assert done.returncode == 0, done.stdout
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu_check: ")]
@@ -117,9 +94,8 @@ def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     assert summary["finished"] and summary["dry_run"] and summary["exit_status"] == 0
     assert summary["torch"] == torch.__version__
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [
-        ("digits", f"skipped (given: {tiny_digits})"), ("smoke", "ok"), ("ddp", "skipped (not asked for)"),
-        ("rng", "skipped (not asked for)"), ("futures", "skipped (not asked for)"),
-        ("graphs", "skipped (not asked for)"), ("cuda tests", "skipped (no GPU)"),
+        ("digits", f"skipped (given: {tiny_digits})"), ("smoke", "ok"), ("ddp", "ok"), ("rng", "ok"),
+        ("futures", "ok"), ("graphs", "ok"), ("cuda tests", "skipped (no GPU)"),
         ("laptop", "skipped (no GPU)"), ("bench", "skipped (not asked for)")]
     assert len(summary["not_proven"]) == len(gpu_check.NOT_PROVEN)
     assert all(entry["needs"] == "2 GPUs" for entry in summary["not_proven"])
@@ -128,3 +104,9 @@ def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     assert smoke["passed"] and (smoke["device"], smoke["world_size"]) == ("cpu", 1)
     assert len(smoke["checks"]) == 6 and all(smoke["checks"].values())
     assert summary["steps"][1]["result"] == smoke
+    probes = {s["name"]: s["result"] for s in summary["steps"][2:6]}
+    for name, found in probes.items():
+        assert found["probe"] == name and found["device"] == "cpu" and found["checks"], found
+        assert False not in found["checks"].values()
+        assert (True in found["checks"].values()) == (name in ("ddp", "graphs")), found
+    assert probes["ddp"]["checks"]["a gloo group of one under torchrun"] is True
