@@ -12,17 +12,17 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 
-.PHONY: install train test test-fast tensorboard chaos chaos32 recovery-soak lint clean bench \
-	slurm-check
+.PHONY: install train test test-fast test-torch211 tensorboard chaos chaos32 recovery-soak lint \
+	clean bench slurm-check
 
 install: $(STAMP)
 
 # pip byte-compiles what it installs one file at a time (torch is most of 2 minutes' install);
 # compileall does it on every core. Only an optimisation: a file it cannot compile (torch ships
 # one for Python 3.12 only) is compiled, or not, when imported, so its status is not ours.
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet --no-compile -e '.[test,dev]'
+	$(BIN)/pip install --quiet --no-compile -c constraints.txt -e '.[test,dev]'
 	$(BIN)/python -m compileall -q -j 0 $(VENV)/lib > /dev/null || true
 	touch $(STAMP)
 
@@ -44,6 +44,28 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+
+# make test-torch211: the oldest torch of pyproject.toml's range, the one a GPU machine may bring
+# (torch 2.11.0, torchvision 0.26.0, Python 3.12), in a venv of its own, .venv-torch211 (5 GB, a
+# minute to download): the tests of one node in it, that is the fast ones, a two-worker training
+# launch under torchrun, and scripts/gpu_check.sh's dry run. Not part of `make test`.
+PYTHON312 ?= $(or $(lastword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12)),python3.12)
+VENV211   := .venv-torch211
+STAMP211  := $(VENV211)/.installed
+$(STAMP211): pyproject.toml
+	@$(PYTHON312) -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null || \
+		{ echo "make test-torch211: no Python 3.12 at PYTHON312=$(PYTHON312); name one" >&2; \
+		exit 2; }
+	test -x $(VENV211)/bin/python || $(PYTHON312) -m venv $(VENV211)
+	$(VENV211)/bin/pip install --quiet --no-compile -e '.[test]' torch==2.11.0 torchvision==0.26.0
+	touch $(STAMP211)
+
+test-torch211: $(STAMP211)
+	$(VENV211)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
+		-m "not slow" tests/
+	$(VENV211)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+		tests/test_train.py::test_two_workers_train_checkpoint_log_and_resume \
+		tests/test_gpu_check.py
 
 # make tensorboard listens on localhost (the logs hold command lines and paths); HOST=0.0.0.0
 # opens it to the network. Taken from make's command line only, never from a shell's own HOST.
@@ -91,4 +113,4 @@ lint: $(STAMP)
 	$(BIN)/ruff check elastic_mnist scripts tests
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(VENV211) build *.egg-info

@@ -31,21 +31,40 @@ def job_env(threads: int = 1, **extra: str) -> dict[str, str]:
     return env
 
 
-def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
-    """Signals ``pid`` and every descendant (torchrun's workers live in sessions of their own,
-    so a process group or session does not reach them), then reaps what it killed."""
+def tree(pid: int) -> list[psutil.Process]:
+    """``pid``'s descendants and ``pid`` itself (none when it is gone). torchrun's workers live
+    in sessions of their own, so a process group or session does not reach them all."""
     try:
         root = psutil.Process(pid)
-        procs = [*root.children(recursive=True), root]
+        return [*root.children(recursive=True), root]
     except psutil.NoSuchProcess:
-        return
+        return []
+
+
+def signal_all(procs: list[psutil.Process], sig: int) -> None:
     for proc in procs:
         try:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+
+
+def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
+    """Signals ``pid`` and every descendant, then reaps what it killed."""
+    procs = tree(pid)
+    signal_all(procs, sig)
     if sig == signal.SIGKILL:
         psutil.wait_procs(procs, timeout=10)
+
+
+def stop_tree(pid: int, grace_s: float) -> None:
+    """SIGTERM to ``pid`` and every descendant (torchrun's agent passes it on to its workers),
+    then SIGKILL to those of them still alive ``grace_s`` later."""
+    procs = tree(pid)
+    signal_all(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    signal_all(alive, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=grace_s)
 
 
 def free_port() -> int:
