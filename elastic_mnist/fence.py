@@ -12,8 +12,15 @@ and the status of its reason, writing nothing more.
 A check is a round trip to the coordination store (or a read of the lease file): commits and
 records are rare and check every time; what runs every step (audit records) or every
 ``--log-every`` steps (scalars) may reuse a verdict for a second. A freeze that falls between a
-check and the write it allows is the one gap left. The fence fails closed: a coordination store
-that does not answer cannot say that this process is still the job's, so nothing is committed.
+check and the write it allows is the one gap left.
+
+A coordination store that does not answer (an outage longer than its client's timeout, or its
+host's agent gone first as the whole job is stopped) cannot say whether this process is still the
+job's. The membership then decides from the checkpoint folder's ``generation.json``, the job's
+current generation mirrored there as each is named: a process that it says the job went on
+without commits nothing and leaves; otherwise the reason cannot tell (:class:`CannotTell`), and a
+commit goes on (the final checkpoint of a job stopped as a whole is written), while the lease's
+renewal is skipped (a lease that nobody can renew lapses by itself).
 """
 
 from __future__ import annotations
@@ -48,11 +55,17 @@ def leave(over: Over) -> None:
     end_process(over.status)
 
 
+class CannotTell(Exception):
+    """Raised by a reason that cannot answer now: nothing says this process was dropped, and
+    nothing can say that it was not."""
+
+
 class NullFence:
     """Nothing can take this process's place while it lives: writers never ask anyone."""
 
-    def check(self, recent: bool = False) -> None:
-        """Returns while this process may write; ends it otherwise."""
+    def check(self, recent: bool = False, strict: bool = False) -> None:
+        """Returns while this process may write; ends it otherwise. ``strict``: a reason that
+        cannot tell raises CannotTell to the caller, instead of letting the write go on."""
 
 
 NO_FENCE = NullFence()
@@ -66,19 +79,31 @@ class Fence(NullFence):
         self.on_over = on_over
         """What a verdict of "over" does: the process leaves (a test records it instead)."""
         self._held_at = -float("inf")
+        self._unsure = False
+        """The last verdict could not tell (said once, until one can again)."""
         self._lock = threading.Lock()
 
-    def check(self, recent: bool = False) -> None:
+    def check(self, recent: bool = False, strict: bool = False) -> None:
         """``recent``: a verdict of the last ``RECENT_S`` seconds will do (monotonic time,
         which runs on while a process is stopped: a woken one asks again)."""
         if recent and time.monotonic() - self._held_at < RECENT_S:
             return
         with self._lock:  # one question at a time: the writer, training and watchdog threads
+            unsure = None
             for reason in self.reasons:
-                over = reason()
+                try:
+                    over = reason()
+                except CannotTell as e:
+                    over, unsure = None, e
                 if over is not None:
                     self.on_over(over)
                     raise FenceClosed(over.line)
+            if unsure is not None:
+                if strict:
+                    raise unsure
+                if not self._unsure:
+                    log.warning("%s; writing on", unsure)
+            self._unsure = unsure is not None
             self._held_at = time.monotonic()
 
 

@@ -272,7 +272,8 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
     log.info("a lost, departing or frozen node is recovered in process (coordination on the "
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
-                      generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout)
+                      generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout,
+                      folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch)
 
 
 def check_recovery(recovery: str, device: torch.device) -> None:

@@ -65,7 +65,7 @@ from elastic_mnist import distributed
 from elastic_mnist.checkpoint import CheckpointWriteError, read_run_file, unwritable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import NO_FENCE, NullFence, Over, leave
+from elastic_mnist.fence import NO_FENCE, CannotTell, NullFence, Over, leave
 from elastic_mnist.preemption import EXIT_PREEMPTED
 
 log = logging.getLogger(__name__)
@@ -242,6 +242,8 @@ class LeaseKeeper:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._warned = False
+        self._unsure = False
+        """The fence could not tell at the last beat (said once, until it can again)."""
 
     @property
     def beat_s(self) -> float:
@@ -373,7 +375,14 @@ class LeaseKeeper:
                     self._stop.set()
                     self.on_lost(current)
                     return
-                self.fence.check()
+                try:
+                    self.fence.check(strict=True)
+                except CannotTell as e:  # skipped: a lease nobody can renew lapses by itself
+                    if not self._unsure:
+                        log.warning("lease %s not renewed: %s", self.path, e)
+                    self._unsure = True
+                    continue
+                self._unsure = False
                 if current is None:  # released by another node of this job as it left
                     self._create()
                 else:

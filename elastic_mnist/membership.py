@@ -69,6 +69,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -76,7 +77,8 @@ import torch.distributed as dist
 
 from elastic_mnist.distributed import backend_for, end_process
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import Over
+from elastic_mnist.fence import CannotTell, Over
+from elastic_mnist.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,9 @@ EXIT_GAVE_UP = 124
 restarts its node, and the rendezvous that follows restarts every node."""
 CURRENT = "current"
 """The key naming the job's current generation, and the processes of the last one it kept."""
+GENERATION_FILE = "generation.json"
+"""The same, mirrored into the checkpoint folder with the launch it belongs to: what the fence
+decides from when the coordination store does not answer (see :meth:`Membership.dropped`)."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
 
@@ -298,10 +303,14 @@ class Membership(NullMembership):
     in_process = True
 
     def __init__(self, env: DistEnv, device: torch.device, store: dist.Store, generation: int,
-                 pg_timeout_s: float, bound_s: float):
+                 pg_timeout_s: float, bound_s: float, folder: Path | None = None,
+                 launch: str = ""):
         """``store``: the coordination store, under this launch's own prefix; ``bound_s``: how
-        long after a fault the survivors may take to complete a step before they give up."""
+        long after a fault the survivors may take to complete a step before they give up;
+        ``folder``: the checkpoint folder, where the job's current generation is mirrored
+        (``GENERATION_FILE``) for the launch ``launch``."""
         self.env, self.device = env, device
+        self.folder, self.launch = (None if folder is None else Path(folder)), launch
         self.store = store
         self.generation = generation
         self.pg_timeout = datetime.timedelta(seconds=pg_timeout_s)
@@ -650,15 +659,34 @@ class Membership(NullMembership):
         while (found := store.compare_set(CURRENT, found, value).decode()) != value:
             if json.loads(found)["generation"] >= self.generation:
                 return
+        self._mirror_current(json.loads(value))
+
+    def _mirror_current(self, current: dict[str, Any]) -> None:
+        """Writes the generation just named into the checkpoint folder (each node's local rank
+        0 of it: node-local folders each get theirs), never over a later one of this launch."""
+        if self.folder is None or self.env.local_rank != 0:
+            return
+        try:
+            found = read_generation_file(self.folder)
+            if found is not None and found.get("launch") == self.launch \
+                    and found["generation"] >= self.generation:
+                return
+            atomic_write_bytes(self.folder / GENERATION_FILE,
+                               json.dumps({"launch": self.launch, **current}).encode())
+        except OSError as e:  # the store's copy is the one asked first
+            log.warning("could not mirror generation %d into %s: %s", self.generation,
+                        self.folder / GENERATION_FILE, e.strerror or e)
 
     def dropped(self) -> Over | None:
         """Why this process is no longer one of the job's ranks (the survivors of a fault went
         on in a generation without it), or None while it is, or is on its way to the current
         generation as one of the processes it kept, or left it of its own accord (its last
-        records are its own). Closed when the store does not answer: only the store says whether
-        the job went on without this process (a store gone with its host, or that stalls past
-        its timeout, may have gone with the rest of the job), so nothing is committed on a
-        guess."""
+        records are its own).
+
+        When the store does not answer (an outage, or its host gone first as the whole job
+        stops), the checkpoint folder's ``GENERATION_FILE`` decides: dropped when it names a
+        later generation of this launch that did not keep this process; else CannotTell (a
+        commit goes on: the final checkpoint of a job stopped as a whole is written)."""
         generation, rank = self.generation, self.env.rank
         me = self.identity.key
         store = self._connections.declare
@@ -666,19 +694,31 @@ class Membership(NullMembership):
             if not store.check([CURRENT]):
                 return None
             current = json.loads(store.get(CURRENT))
-            if current["generation"] <= generation or (current["generation"] == generation + 1
-                                                       and me in current["kept"]):
+            if still_in(current, generation, me):
                 return None
             key = self._key("fault", generation)
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
-            return Over(f"rank {rank} cannot tell whether it is still one of the job's ranks: "
-                        f"the coordination store does not answer ({_first_line(e)}): leaving "
-                        f"without writing", EXIT_GAVE_UP)
+            return self._dropped_by_file(generation, me, e)
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
                     f"is at {current['generation']}): leaving without writing", EXIT_GAVE_UP)
+
+    def _dropped_by_file(self, generation: int, me: str, error: RuntimeError) -> Over:
+        """Why this process was dropped, as the checkpoint folder's ``GENERATION_FILE`` says it
+        while the store does not answer; CannotTell when it does not say so."""
+        rank = self.env.rank
+        found = read_generation_file(self.folder) if self.folder is not None else None
+        if found is None or found.get("launch") != self.launch or still_in(found, generation, me):
+            raise CannotTell(f"rank {rank} cannot tell whether it is still one of the job's "
+                             f"ranks: the coordination store does not answer "
+                             f"({_first_line(error)}), and {GENERATION_FILE} names no later "
+                             f"generation without it")
+        return Over(f"rank {rank} was dropped from the job at generation {generation} "
+                    f"({GENERATION_FILE} says the job is at {found['generation']}; the "
+                    f"coordination store does not answer): leaving without writing",
+                    EXIT_GAVE_UP)
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:
@@ -831,6 +871,24 @@ class Membership(NullMembership):
             return
         log.info("arrived at the exit barrier of rendezvous round %d for %d agent(s) that are "
                  "gone", round_, missing)
+
+
+def still_in(current: dict[str, Any], generation: int, me: str) -> bool:
+    """Whether the job's ``current`` generation (``{"generation", "kept"}``) leaves the process
+    ``me`` of ``generation`` one of its ranks: it is no later, or the next one, which kept it."""
+    return current["generation"] <= generation or (current["generation"] == generation + 1
+                                                   and me in current["kept"])
+
+
+def read_generation_file(folder: Path) -> dict[str, Any] | None:
+    """The checkpoint folder's ``GENERATION_FILE``; None when there is none or it is unreadable."""
+    try:
+        found = json.loads((Path(folder) / GENERATION_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(found, dict) and isinstance(found.get("generation"), int) \
+        and isinstance(found.get("kept"), list)
+    return found if ok else None
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],

@@ -9,14 +9,17 @@ from launch import clean_env, cli_cmd, run
 from shared_runs import command_json
 
 from elastic_mnist.checkpoint import (
+    RUN_FILE,
     Checkpointer,
     CheckpointError,
     deserialize,
     list_manifests,
+    newest_committed_step,
     newest_valid,
     write_checkpoint,
 )
 from elastic_mnist.fence import Fence, FenceClosed, Over
+from elastic_mnist.membership import GENERATION_FILE
 from elastic_mnist.model import build_model, state_digest
 
 
@@ -43,11 +46,23 @@ def test_commit_leaves_payload_manifest_and_pointer(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def beside_the_checkpoints(directory) -> None:
+    """The files that share the folder with the checkpoints: none of them is one."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / GENERATION_FILE).write_text(json.dumps(
+        {"launch": "l", "generation": 9, "kept": ["host/1/n"]}))
+    (directory / RUN_FILE).write_text(json.dumps({"run_id": "r", "restart_generation": 9}))
+
+
 def test_keeps_only_the_last_k(tmp_path):
+    beside_the_checkpoints(tmp_path)
     for step in (1, 2, 3, 4, 5):
         save(tmp_path, step, keep_last=2)
     assert sorted(p.name for p in tmp_path.glob("step-*")) == [
         "step-00000004.json", "step-00000004.pt", "step-00000005.json", "step-00000005.pt"]
+    assert (tmp_path / GENERATION_FILE).exists() and (tmp_path / RUN_FILE).exists()
+    assert [m.step for m in list_manifests(tmp_path)] == [5, 4]
+    assert newest_valid(tmp_path)[0].step == 5 and newest_committed_step(tmp_path) == 5
 
 
 def test_a_process_dropped_after_its_commit_prunes_nothing(tmp_path):
@@ -128,6 +143,7 @@ def test_background_writer_commits_and_reports_blocking_time(tmp_path):
 
 
 def test_inspect_reports_every_checkpoint(tmp_path):
+    beside_the_checkpoints(tmp_path)
     save(tmp_path, 1, seed=1)
     save(tmp_path, 2, seed=2)
     (tmp_path / "step-00000002.pt").write_bytes(b"junk")
@@ -139,6 +155,7 @@ def test_inspect_reports_every_checkpoint(tmp_path):
     assert rows[1]["valid"] is True
     assert rows[1]["model_digest"] == state_digest(build_model(1).state_dict())
     assert report["latest"] == "step-00000002"
+    assert sorted(rows) == [1, 2]
 
 
 def test_inspect_names_each_checkpoint_by_an_absolute_path(tmp_path, monkeypatch):

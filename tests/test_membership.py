@@ -27,6 +27,7 @@ from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.events import EventLog, read_events
 from elastic_mnist.fence import Fence, FenceClosed, Over
+from elastic_mnist.lease import JobIdentity, LeaseKeeper, read_lease
 from elastic_mnist.membership import (
     EXIT_GAVE_UP,
     PULSE_S,
@@ -256,14 +257,22 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
                                             "writing")
 
 
-def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_path):
-    """Whether this process is still one of the job's ranks is known only from the store: when
-    it does not answer, a queued checkpoint is not committed (nor `latest` moved, nor its files
-    left), no record is written, and the process leaves with one line."""
+def memberships_on_a_store_that_goes(folder, ranks: int = 2):
+    """Memberships of ranks ``0..ranks-1`` on a store of their own (``del`` the server returned,
+    and it is gone), mirroring the job's generation into ``folder``."""
     server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
-    env = DistEnv(rank=0, world_size=2, launched=True)
-    member = Membership(env, torch.device("cpu"), PrefixStore("launch", server.clone()),
-                        generation=0, pg_timeout_s=10, bound_s=60)
+    return server, [Membership(DistEnv(rank=r, world_size=ranks, launched=True),
+                               torch.device("cpu"), PrefixStore("launch", server.clone()),
+                               generation=0, pg_timeout_s=10, bound_s=60, folder=folder,
+                               launch="this-launch") for r in range(ranks)]
+
+
+def test_the_fence_fails_closed_for_a_dropped_rank_when_the_coordination_store_does_not_answer(
+        tmp_path):
+    """Rank 1 went on without rank 0 (frozen, say); then the store went. The checkpoint folder's
+    generation.json says so: rank 0's queued checkpoint is not committed (nor `latest` moved,
+    nor its files left), no record is written, and it leaves with one line."""
+    server, (member, survivor) = memberships_on_a_store_that_goes(tmp_path)
     over: list[Over] = []
     fence = Fence(member.dropped, on_over=over.append)
     saver = Checkpointer(tmp_path, every=1, keep_last=1, restart_generation=0, fence=fence)
@@ -271,6 +280,10 @@ def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_
     saver.maybe_save(lambda: state(1), 1)
     saver.wait()
     events.emit("checkpoint", 1)
+    survivor.declare("hung", [0])
+    survivor.generation, survivor.env = 1, DistEnv(rank=0, world_size=1, launched=True)
+    survivor._publish_current([survivor.identity])  # the job goes on without rank 0
+    survivor.close()
     del server  # the store's host is gone
     saver.maybe_save(lambda: state(2), 2)
     with pytest.raises(FenceClosed):
@@ -280,13 +293,58 @@ def test_the_fence_fails_closed_when_the_coordination_store_does_not_answer(tmp_
     member.close()
     events.close()
     assert [o.status for o in over] == [EXIT_GAVE_UP, EXIT_GAVE_UP]
-    assert over[0].line.startswith("rank 0 cannot tell whether it is still one of the job's "
-                                   "ranks: the coordination store does not answer (")
-    assert over[0].line.endswith("): leaving without writing") and "\n" not in over[0].line
+    assert over[0].line == ("rank 0 was dropped from the job at generation 0 (generation.json "
+                            "says the job is at 1; the coordination store does not answer): "
+                            "leaving without writing")
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "events.jsonl", "latest", "step-00000001.json", "step-00000001.pt"]
+        "events.jsonl", "generation.json", "latest", "step-00000001.json", "step-00000001.pt"]
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
+
+
+@pytest.mark.parametrize("named", ["no generation", "this one, kept", "another launch's"])
+def test_a_rank_still_in_the_job_commits_when_the_coordination_store_does_not_answer(
+        tmp_path, named, caplog):
+    """A store outage longer than its timeout, or the whole job stopped (SIGTERM) with the
+    store's host gone first: nothing says the job went on without this rank, so its final
+    checkpoint and records are written, with one warning; the lease is not renewed meanwhile
+    (a lease that nobody can renew lapses by itself), and the process does not leave."""
+    server, (member, other) = memberships_on_a_store_that_goes(tmp_path)
+    if named == "this one, kept":
+        other.declare("died", [1])
+        for m in (member, other):
+            m.generation = 1
+        member._publish_current([member.identity])
+    elif named == "another launch's":
+        (tmp_path / "generation.json").write_text(json.dumps(
+            {"launch": "an-earlier-launch", "generation": 7, "kept": ["elsewhere"]}))
+    over: list[Over] = []
+    fence = Fence(member.dropped, on_over=over.append)
+    saver = Checkpointer(tmp_path, every=1, keep_last=2, restart_generation=0, fence=fence)
+    events = EventLog(tmp_path / "events.jsonl", fence)
+    keeper = LeaseKeeper(tmp_path, JobIdentity("torchrun:this-job"), 0.5)  # renews every 0.1 s
+    keeper.acquire()
+    keeper.fence = fence
+    keeper.start()
+    other.close()
+    del server
+    saver.maybe_save(lambda: state(1), 1, final=True)
+    saver.wait()
+    events.emit("checkpoint", 1)
+    time.sleep(0.3)  # the keeper's next beat asked, and could not tell
+    beat = read_lease(tmp_path).beat
+    time.sleep(0.5)
+    assert read_lease(tmp_path).beat == beat and keeper._thread.is_alive()
+    keeper.close()
+    member.close()
+    events.close()
+    assert over == []
+    assert (tmp_path / "latest").read_text() == "step-00000001\n"
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
+    said = [r.getMessage() for r in caplog.records if r.name == "elastic_mnist.fence"]
+    assert len(said) == 1 and said[0].startswith(
+        "rank 0 cannot tell whether it is still one of the job's ranks: the coordination store "
+        "does not answer (") and said[0].endswith("; writing on")
 
 
 def test_processes_of_one_host_name_and_pid_have_pulses_and_places_of_their_own(members):
