@@ -547,6 +547,13 @@ class Trainer:
         if not holds:
             self.load_state(payload)
         self.ddp, self.net = self._wrap(sync=False)  # the same state everywhere: no collective
+        # The digests above are of the one payload broadcast, alike on every rank: what this
+        # rank now holds is compared with them here, by itself.
+        held = state_digest(self.model.state_dict())
+        if held != digests[0]:
+            raise CannotRecover(f"rank {self.env.rank} holds another model than the agreed one "
+                                f"after adopting step {change.step}: digest {held[:16]}, agreed "
+                                f"{str(digests[0])[:16]}")
         self.compiled_sizes = set()
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()

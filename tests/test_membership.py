@@ -1035,3 +1035,42 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
     time.sleep(0.5)  # whatever the thread given up on still does, it has done
     assert state_digest(trainer.model.state_dict()) == before
     assert trainer.net is net and trainer.change is None
+
+
+@pytest.mark.parametrize("loaded", ["as agreed", "corrupted"])
+def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
+        tiny_digits, monkeypatch, loaded):
+    """Every survivor's digest is gathered from the one payload broadcast, so the digests always
+    agree: what each survivor then holds, once loaded and wrapped, is what is compared with
+    the agreed digest, on its own (no collective more)."""
+    from elastic_mnist import distributed
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.membership import CannotRecover
+    from elastic_mnist.trainer import Trainer
+
+    cfg = TrainConfig()
+    cfg.run.device = "cpu"
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="digest", restart_generation=1)
+    agreed = trainer.state()
+    agreed["model"] = {k: v.clone() + 1 for k, v in agreed["model"].items()}
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj, *a, **k: agreed)
+    monkeypatch.setattr(distributed, "all_gather_object", lambda obj, *a, **k: [obj, obj])
+    load_state = trainer.load_state
+
+    def load_and_corrupt(payload) -> None:
+        load_state(payload)
+        if loaded == "corrupted":
+            with torch.no_grad():
+                next(trainer.model.parameters()).view(-1)[0] += 1  # a bit flipped on the way
+
+    monkeypatch.setattr(trainer, "load_state", load_and_corrupt)
+    change = dataclasses.replace(a_change(0, 1, 2), env=DistEnv(), holder=1)  # takes the state
+    if loaded == "as agreed":
+        trainer.adopt(change)
+        assert trainer.change is change
+        return
+    with pytest.raises(CannotRecover, match="holds another model than the agreed one"):
+        trainer.adopt(change)
+    assert trainer.change is None
