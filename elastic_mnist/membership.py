@@ -57,6 +57,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import io
 import json
 import logging
@@ -968,12 +969,19 @@ def connect_group(device: torch.device, store: dist.Store, rank: int, world_size
                   timeout: datetime.timedelta) -> dist.Backend:
     """The backend of a new group, connected to its members (the wait that a member lost or
     frozen holds up), and registered nowhere: building it changes nothing in this process."""
+    backend = _new_backend(device.type, store, rank, world_size, timeout)
     if device.type == "cuda":
+        backend.eager_connect_single_device(device)  # as init_process_group with device_id
+    return backend
+
+
+def _new_backend(device_type: str, store: dist.Store, rank: int, world_size: int,
+                 timeout: datetime.timedelta) -> dist.Backend:
+    """A group's backend as ``init_process_group`` builds it for ``device_type``."""
+    if device_type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout  # as init_process_group sets it
-        backend = dist.ProcessGroupNCCL(store, rank, world_size, options)
-        backend.eager_connect_single_device(device)  # as init_process_group with device_id
-        return backend
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
@@ -982,9 +990,13 @@ _BUILT = "elastic_mnist_built"
 _handed_over: list[dist.Backend] = []
 
 
-def _hand_over(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta,
-               ) -> dist.Backend:
-    return _handed_over.pop()
+def _hand_over(device_type: str, store: dist.Store, rank: int, size: int,
+               timeout: datetime.timedelta) -> dist.Backend:
+    """The backend ``install_group`` hands over; for any later group made with the default
+    group's backend name (``dist.new_group()`` without a backend), a new one of its own."""
+    if _handed_over:
+        return _handed_over.pop()
+    return _new_backend(device_type, store, rank, size, timeout)
 
 
 def install_group(backend: dist.Backend, device: torch.device, store: dist.Store, rank: int,
@@ -995,11 +1007,15 @@ def install_group(backend: dist.Backend, device: torch.device, store: dist.Store
     Called by the training thread only."""
     name = f"{_BUILT}_{device.type}"
     if not hasattr(dist.Backend, name.upper()):
-        dist.Backend.register_backend(name, _hand_over, devices=[device.type])
+        dist.Backend.register_backend(name, functools.partial(_hand_over, device.type),
+                                      devices=[device.type])
     _handed_over[:] = [backend]
-    dist.init_process_group(backend=name, store=store, rank=rank, world_size=world_size,
-                            timeout=timeout,
-                            device_id=device if device.type == "cuda" else None)
+    try:
+        dist.init_process_group(backend=name, store=store, rank=rank, world_size=world_size,
+                                timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
+    finally:  # a failed init keeps no connected backend for a later group to take
+        _handed_over.clear()
 
 
 # --- torchrun's own records, read and written as its agents do -------------------------------------

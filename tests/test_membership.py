@@ -1074,3 +1074,25 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
     with pytest.raises(CannotRecover, match="holds another model than the agreed one"):
         trainer.adopt(change)
     assert trainer.change is None
+
+
+def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
+    """The survivors' group is handed to torch through a backend name of its own, which becomes
+    the default group's: a later ``new_group()`` without a backend builds a real one under that
+    name; and an install that fails keeps no connected backend for a later group to take."""
+    from elastic_mnist import membership
+    from elastic_mnist.membership import connect_group, install_group
+
+    cpu, store = torch.device("cpu"), torch.distributed.HashStore()
+    with no_group_left():
+        install_group(connect_group(cpu, PrefixStore("g1", store), 0, 1, TIMEOUT), cpu,
+                      PrefixStore("g1", store), 0, 1, TIMEOUT)
+        world = torch.distributed.group.WORLD
+        group = torch.distributed.new_group([0])
+        total = torch.ones(2)
+        torch.distributed.all_reduce(total, group=group)
+        assert group is not world and total.tolist() == [1.0, 1.0]
+        with pytest.raises(ValueError, match="twice"):  # a default group is there already
+            install_group(connect_group(cpu, PrefixStore("g2", store), 0, 1, TIMEOUT), cpu,
+                          PrefixStore("g2", store), 0, 1, TIMEOUT)
+        assert membership._handed_over == []
