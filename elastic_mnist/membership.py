@@ -328,6 +328,8 @@ class Membership(NullMembership):
         self.faulted = None
         self.broken = None
         self._lock = threading.RLock()
+        self._group_lock = threading.Lock()
+        """Held while the default group is aborted or destroyed, and the generation moved on."""
         self._pending: set[torch.futures.Future] = set()
         self._declaring = threading.Lock()
         self._deadline: threading.Timer | None = None
@@ -458,9 +460,16 @@ class Membership(NullMembership):
             for future in pending:
                 if not future.done():
                     future.set_exception(PeerFailure(self.broken))
-        if backend_for(self.device) == "nccl" and dist.is_initialized():
-            # NCCL, unlike gloo, can abort the collectives in flight.
-            dist.distributed_c10d._abort_process_group()
+        if backend_for(self.device) == "nccl":
+            # NCCL, unlike gloo, can abort the collectives in flight: the default group's, if
+            # it is still this generation's. Checked again, and aborted, under the lock the
+            # training thread moves to the next generation under (before it installs that
+            # one's group): a late watcher never aborts the next generation's group. Not under
+            # _lock, which the futures' callbacks take, in NCCL's threads, as it aborts.
+            with self._group_lock:
+                if (generation is None or generation == self.generation) \
+                        and dist.is_initialized():
+                    dist.distributed_c10d._abort_process_group()
 
     def declare(self, why: str, suspects: list[int], detail: str = "",
                 generation: int | None = None) -> Fault | None:
@@ -570,15 +579,16 @@ class Membership(NullMembership):
     def _next_generation(self, change: Change, identities: dict[int, Identity],
                          members: list[int]) -> None:
         """Leaves the failed group to its threads and joins the survivors' new one."""
-        if dist.is_initialized():
-            # gloo's threads may still wait in the old group (for a frozen peer, until its
-            # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
-            dist.destroy_process_group()
         # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
         # acts in it or not at all.
-        with self._declaring, self._lock:
-            self.env, self.generation = change.env, change.generation
-            self.faulted = self.broken = None
+        with self._group_lock:
+            if dist.is_initialized():
+                # gloo's threads may still wait in the old group (for a frozen peer, until its
+                # timeout); it is not destroyed while they do: whatever holds it keeps it alive.
+                dist.destroy_process_group()
+            with self._declaring, self._lock:
+                self.env, self.generation = change.env, change.generation
+                self.faulted = self.broken = None
         agents = {(identities[r].host, identities[r].agent) for r in members}
         self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
             - len(agents)
@@ -589,7 +599,9 @@ class Membership(NullMembership):
         # The group is built in a thread, and made the default one here, in the training
         # thread, only once it is complete: a creation given up on (a member frozen) may still
         # complete later, and then changes nothing. Its connection, which it may hold until
-        # the group's timeout, is one of the spares.
+        # the group's timeout, is one of the spares. gloo is done with it once connected;
+        # NCCL is not (its later communicators, a split, meet on the group's store): the
+        # connection stays with an NCCL group, and the spares are refilled after the change.
         connection, generation, env = self._connections.group.take(), self.generation, self.env
         store = dist.PrefixStore(self._key("pg", generation), connection)
 
@@ -600,7 +612,8 @@ class Membership(NullMembership):
                 return connect_group(self.device, store, env.rank, env.world_size,
                                      self.pg_timeout)
             finally:
-                self._connections.group.give_back(connection)
+                if backend_for(self.device) != "nccl":
+                    self._connections.group.give_back(connection)
 
         self.inject("creating the new group")
         backend = self.run("creating the new group", create)
@@ -1004,7 +1017,12 @@ def install_group(backend: dist.Backend, device: torch.device, store: dist.Store
     """Makes ``backend`` (see :func:`connect_group`) this process's default group, as
     ``init_process_group`` would have, without connecting again: torch takes it from a backend
     registered for the purpose (``Backend.register_backend``), whose creator hands it over.
-    Called by the training thread only."""
+    Called by the training thread only.
+
+    No ``device_id`` goes to ``init_process_group``: with one, torch's
+    ``_new_process_group_helper`` connects the backend again
+    (``eager_connect_single_device``); the group is bound to the device here instead, as it
+    would have been (``bound_device_id``: later groups split from it)."""
     name = f"{_BUILT}_{device.type}"
     if not hasattr(dist.Backend, name.upper()):
         dist.Backend.register_backend(name, functools.partial(_hand_over, device.type),
@@ -1012,10 +1030,11 @@ def install_group(backend: dist.Backend, device: torch.device, store: dist.Store
     _handed_over[:] = [backend]
     try:
         dist.init_process_group(backend=name, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout,
-                                device_id=device if device.type == "cuda" else None)
+                                timeout=timeout)
     finally:  # a failed init keeps no connected backend for a later group to take
         _handed_over.clear()
+    if device.type == "cuda":
+        dist.group.WORLD.bound_device_id = device
 
 
 # --- torchrun's own records, read and written as its agents do -------------------------------------

@@ -1096,3 +1096,68 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
             install_group(connect_group(cpu, PrefixStore("g2", store), 0, 1, TIMEOUT), cpu,
                           PrefixStore("g2", store), 0, 1, TIMEOUT)
         assert membership._handed_over == []
+
+
+def test_an_nccl_group_is_installed_without_connecting_again(monkeypatch):
+    """On NCCL the backend is connected as it is built (in the recovery's thread): torch would
+    connect it again if ``init_process_group`` were given the device; the group is bound to it
+    afterwards instead. (A gloo backend stands in for NCCL's here.)"""
+    from elastic_mnist.membership import connect_group, install_group
+
+    cpu, cuda, store = torch.device("cpu"), torch.device("cuda", 0), torch.distributed.HashStore()
+    init, given = torch.distributed.init_process_group, []
+
+    def spy(*args, **kwargs):
+        given.append(kwargs.get("device_id"))
+        return init(*args, **kwargs)
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", spy)
+    with no_group_left():
+        install_group(connect_group(cpu, PrefixStore("g1", store), 0, 1, TIMEOUT), cuda,
+                      PrefixStore("g1", store), 0, 1, TIMEOUT)
+        assert given == [None] and torch.distributed.group.WORLD.bound_device_id == cuda
+
+
+def test_a_late_watcher_never_aborts_the_next_generations_nccl_group(members, monkeypatch):
+    """NCCL's abort of the default group is decided under the lock the generation moves on
+    under: a watcher of generation 0 that gets there only once this rank is in generation 1
+    (and installed its group) aborts nothing; one in time aborts its own generation's group."""
+    from elastic_mnist import membership
+
+    mine = members(0, 1)
+    aborted, late = [], [False]
+
+    def nccl(device):
+        if late[0]:
+            mine.generation = 1  # the training thread moved on meanwhile
+        return "nccl"
+
+    monkeypatch.setattr(membership, "backend_for", nccl)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed.distributed_c10d, "_abort_process_group",
+                        lambda *args: aborted.append(mine.generation))
+    fault = Fault("died", [1], 1, "", 0.0)
+    mine.abort(fault, 0)
+    assert aborted == [0]
+    late[0] = True
+    mine.abort(fault, 0)
+    assert aborted == [0] and mine.generation == 1
+
+
+def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeypatch):
+    """gloo is done with the store once its group is connected, and gives its connection back
+    to the spares; NCCL's later communicators meet on it, so an NCCL group keeps it (the
+    spares are refilled once the change is over)."""
+    from elastic_mnist import membership
+
+    mine = members(0, 1)
+    built: list[str] = []
+    monkeypatch.setattr(membership, "connect_group",
+                        lambda device, *args: built.append(device.type) or "backend")
+    monkeypatch.setattr(membership, "install_group", lambda *args: None)
+    mine._next_generation(a_change(0, 1, 1), {0: mine._identities()[0]}, [0])
+    assert mine._connections.group.idle() == 2
+    mine.device = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    mine._next_generation(a_change(0, 1, 2), {0: mine._identities()[0]}, [0])
+    assert built == ["cpu", "cuda"] and mine._connections.group.idle() == 1
