@@ -221,7 +221,7 @@ class Spares:
     change is over."""
 
     def __init__(self, store: dist.Store, count: int = 2):
-        self._store, self._count = store, count
+        self._store, self.count = store, count
         self._idle = [store.clone() for _ in range(count)]
         self._lock = threading.Lock()
 
@@ -235,7 +235,7 @@ class Spares:
 
     def give_back(self, connection: dist.Store) -> None:
         with self._lock:
-            if len(self._idle) < self._count:
+            if len(self._idle) < self.count:
                 self._idle.append(connection)
 
     def idle(self) -> int:
@@ -244,7 +244,7 @@ class Spares:
 
     def replenish(self) -> None:
         """Opens what the last recovery took and has not given back (outside any recovery)."""
-        while self.idle() < self._count:
+        while self.idle() < self.count:
             self.give_back(self._store.clone())
 
 
@@ -333,6 +333,8 @@ class Membership(NullMembership):
         self._pending: set[torch.futures.Future] = set()
         self._declaring = threading.Lock()
         self._deadline: threading.Timer | None = None
+        self._refilling: threading.Thread | None = None
+        """Opens the spare connections a change took, once it is over."""
         self._closed = False
         self._connections = Connections.open(store)
         self._watcher: threading.Thread | None = None
@@ -741,12 +743,25 @@ class Membership(NullMembership):
             self._deadline.start()
 
     def recovered(self) -> None:
-        self._connections.group.replenish()  # the spare a second fault took
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
         self._change = None
         self.phase, self.failure = "detecting the fault", ""
+        if self._connections.group.idle() < self._connections.group.count:
+            # The spare a second fault took, or an NCCL group keeps: opened off the training
+            # thread (a new connection can wait seconds on the store's resolver, on every
+            # survivor at once), and a store gone meanwhile is one warning, no traceback.
+            self._refilling = threading.Thread(target=self._refill, daemon=True,
+                                               name="membership-spares")
+            self._refilling.start()
+
+    def _refill(self) -> None:
+        try:
+            self._connections.group.replenish()
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            log.warning("could not open a spare connection to the coordination store (%s): a "
+                        "recovery opens one if it needs it", _first_line(e))
 
     def _own_round(self) -> tuple[int, str]:
         """The rendezvous round this process's agent is in, and the agent's name there (torch

@@ -16,6 +16,7 @@ import re
 import socket
 import threading
 import time
+import types
 
 import psutil
 import pytest
@@ -906,6 +907,7 @@ def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, me
         assert connections_to(store.port) == before
         assert torch.distributed.get_world_size() == 1
         mine.recovered()  # the first step after the change: outside the recovery
+        mine._refilling.join(10)
         assert connections_to(store.port) == before + 1  # the spare, replaced
     assert theirs.generation == 0
 
@@ -1161,3 +1163,41 @@ def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeyp
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     mine._next_generation(a_change(0, 1, 2), {0: mine._identities()[0]}, [0])
     assert built == ["cpu", "cuda"] and mine._connections.group.idle() == 1
+
+
+def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_path,
+                                                                              monkeypatch, caplog):
+    """Once the first step after a change is done, the deadline is cancelled at once; the
+    spare connection a second fault took is opened in a thread of its own (a new connection
+    can wait seconds on the store's resolver); and a store gone meanwhile leaves one warning,
+    no exception."""
+    server, (mine,) = memberships_on_a_store_that_goes(tmp_path, ranks=1)
+    spares, opened = mine._connections.group, threading.Event()
+    spares.take()  # a second fault took the spare
+    clone = spares._store.clone
+
+    def slow_clone():
+        opened.wait(20)  # the store's server resolving this client's name
+        return clone()
+
+    monkeypatch.setattr(spares, "_store", types.SimpleNamespace(clone=slow_clone))
+    mine._arm_deadline()
+    deadline = mine._deadline
+    done = threading.Thread(target=mine.recovered)
+    done.start()
+    done.join(2)
+    assert not done.is_alive() and mine._deadline is None and not deadline.is_alive()
+    opened.set()
+    mine._refilling.join(10)
+    assert spares.idle() == 2
+    spares.take()
+    monkeypatch.setattr(spares, "_store", TCPStore("127.0.0.1", server.port, is_master=False,
+                                                   timeout=datetime.timedelta(seconds=1)))
+    del server  # gone
+    mine.recovered()
+    mine._refilling.join(20)
+    assert spares.idle() == 1
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name.endswith("membership")
+            and "spare" in r.getMessage()] == [
+        "could not open a spare connection to the coordination store"]
+    mine.close()
