@@ -643,8 +643,13 @@ class Membership(NullMembership):
             except Exception as e:  # noqa: BLE001 - the backend's error, handed to the waiter
                 done.set_exception(e)
 
+        try:  # a generation broken already runs nothing more
+            guarded = self.guard(done)
+        except PeerFailure as e:
+            self.failure = f"{phase}: {e}"
+            raise
         threading.Thread(target=body, daemon=True, name=f"membership-g{self.generation}").start()
-        guarded, finished = self.guard(done), threading.Event()
+        finished = threading.Event()
         guarded.add_done_callback(lambda _: finished.set())
         members = self._pulse_keys
         pulses = Pulses(self.store, members, self.pulse_key) if members else None

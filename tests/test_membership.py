@@ -1201,3 +1201,15 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
             and "spare" in r.getMessage()] == [
         "could not open a spare connection to the coordination store"]
     mine.close()
+
+
+def test_a_recovery_step_in_a_generation_broken_already_runs_nothing(members):
+    """A fault declared before a recovery's step begins: its collectives never start (they
+    would wait in a group given up on until its timeout), and the round's failure says why."""
+    mine = members(0, 2)
+    mine.abort(Fault("died", [1], 1, "", 0.0))
+    ran = []
+    with pytest.raises(PeerFailure, match="the group changed"):
+        mine.run("adopting the agreed state", lambda: ran.append(1))
+    time.sleep(0.2)
+    assert ran == [] and mine.failure.startswith("adopting the agreed state: the group changed")
