@@ -1186,7 +1186,7 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
     done = threading.Thread(target=mine.recovered)
     done.start()
     done.join(2)
-    assert not done.is_alive() and mine._deadline is None and not deadline.is_alive()
+    assert not done.is_alive() and mine._deadline is None and deadline.finished.is_set()
     opened.set()
     mine._refilling.join(10)
     assert spares.idle() == 2
