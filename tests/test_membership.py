@@ -1159,10 +1159,13 @@ def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeyp
     monkeypatch.setattr(membership, "connect_group",
                         lambda device, *args: built.append(device.type) or "backend")
     monkeypatch.setattr(membership, "install_group", lambda *args: None)
+    mine.declare("died", [])  # its watcher is done: the next generation's takes its connection
     mine._next_generation(a_change(0, 1, 1), {0: mine._identities()[0]}, [0])
     assert mine._connections.group.idle() == 2
     mine.device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no group to abort
+    mine.declare("died", [])
     mine._next_generation(a_change(0, 1, 2), {0: mine._identities()[0]}, [0])
     assert built == ["cpu", "cuda"] and mine._connections.group.idle() == 1
 
