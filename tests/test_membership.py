@@ -58,10 +58,10 @@ def members(store):
     """Memberships of ranks of one generation, closed at the end (their watchers stop)."""
     made: list[Membership] = []
 
-    def make(rank: int = 0, world_size: int = 2) -> Membership:
+    def make(rank: int = 0, world_size: int = 2, pg_timeout_s: float = 10) -> Membership:
         env = DistEnv(rank=rank, world_size=world_size, launched=True)
         made.append(Membership(env, torch.device("cpu"), PrefixStore("launch", store.clone()),
-                               generation=0, pg_timeout_s=10, bound_s=60))
+                               generation=0, pg_timeout_s=pg_timeout_s, bound_s=60))
         return made[-1]
 
     yield make
@@ -69,6 +69,12 @@ def members(store):
         member.close()
         if member._deadline is not None:  # armed by a recovery: it would end pytest at bound_s
             member._deadline.cancel()
+    # A recovery's step given up on (a group's creation waiting for a rank that never comes)
+    # ends at the group's timeout; one still blocked in gloo when pytest exits aborts it
+    # (std::terminate, status 134) as the timeout fires during the interpreter's shutdown.
+    for thread in threading.enumerate():
+        if thread.name.startswith("membership-g"):
+            thread.join(max(m.pg_timeout.total_seconds() for m in made) + 5 if made else 0)
 
 
 def check_in(store, rank: int) -> None:
@@ -898,7 +904,7 @@ def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, me
     opening one in the middle of the recovery (every client of the store can stall while the
     store's server resolves a new client's name); the spare is replaced once the change is
     over."""
-    mine, theirs = members(0), members(1)
+    mine, theirs = members(0, pg_timeout_s=3), members(1, pg_timeout_s=3)  # the creation ends
     identities = mine._identities()
     before = connections_to(store.port)
     with no_group_left():
