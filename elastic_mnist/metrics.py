@@ -86,8 +86,8 @@ class TensorBoardMetrics(NullMetrics):
         from torch.utils.tensorboard.summary import scalar
 
         self.fence.check(recent=True)
-        for tag, value in values.items():
-            self._summary(scalar(tag, value), step)
+        self._write(b"".join(record(summary=scalar(tag, value), step=step)
+                             for tag, value in values.items()))  # one write and flush
 
     def text(self, tag: str, text: str, step: int = 0) -> None:
         from torch.utils.tensorboard.summary import text as text_summary
@@ -109,8 +109,8 @@ class TensorBoardMetrics(NullMetrics):
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
 
         self.fence.check()
-        for summary in hparams_summaries(hparams, {tag: 0.0 for tag in metric_tags}):
-            self._summary(summary)
+        self._write(b"".join(record(summary=summary) for summary in
+                             hparams_summaries(hparams, {tag: 0.0 for tag in metric_tags})))
 
     def layout(self, categories: dict[str, dict[str, list[str]]]) -> None:
         """The custom scalars dashboard: ``{category: {chart title: [tag, ...]}}``, each chart
@@ -135,8 +135,9 @@ class TensorBoardMetrics(NullMetrics):
         target.chmod(self.run_dir.stat().st_mode & 0o666)  # readable as the folder is
 
     def flush(self) -> None:
-        """Every record is in the file already: only the fence is asked."""
-        self.fence.check()
+        """Every record is in the file already: only the fence is asked (a verdict of the
+        last second will do, as for every record)."""
+        self.fence.check(recent=True)
 
     def close(self) -> None:
         """Writes nothing: every record is in the file already."""

@@ -51,7 +51,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from processes import stop_tree
+from processes import free_port, stop_tree
 
 REPO = Path(__file__).resolve().parents[1]
 BUDGET_S = 480.0
@@ -275,15 +275,10 @@ def smoke(folder: Path, device: str, nproc: int, steps: int, digits: Path, out: 
 def as_rank_0(argv: list[str]) -> int:
     """The dry run's stand-in for ``torchrun --nproc_per_node=1``: this process is rank 0 of 1,
     its store on a free loopback port (no agent, no second interpreter)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
                        "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": str(port)})
-    sys.path.insert(0, str(REPO / "scripts"))
     import gpu_probes
 
     return gpu_probes.main(argv[2:])  # past --as-rank-0 and gpu_probes.py's path
