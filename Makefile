@@ -38,11 +38,16 @@ train: $(STAMP)
 # The suite in TEST_WORKERS processes (pytest-xdist): most multi-process tests spend much of
 # their time waiting (for a deadline, a rendezvous, a signal's effect), so two share two cores
 # well; the readers of each shared run go to one of them (tests/conftest.py).
+# The project's own modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, each of
+# the suite's few hundred processes would compile them again.
 TEST_WORKERS ?= 2
+COMPILE_OURS := $(BIN)/python -m compileall -q -j 0 elastic_mnist scripts tests > /dev/null
 test: $(STAMP)
+	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 test-fast: $(STAMP)
+	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
 # make test-torch211: the oldest torch of pyproject.toml's range, the one a GPU machine may bring

@@ -35,9 +35,9 @@ the final evaluation are outside every figure. The contenders:
   checkpoint  our worker saving a checkpoint about every 2 s, logging every step: what a save
               costs the loop, the steps it touched against the steps around them in the same run
               (separate runs differ by far more than 1% here); the blocking ms per save it logs
-  recovery_shipped, recovery_defaults   two workers under torchrun, rank 0 SIGKILLed after a
-              checkpoint: seconds from the kill to the first step completed after the restart (its
-              TensorBoard wall time), with jobs/node.sh's launch line against plain
+  recovery_shipped, recovery_defaults   two workers under torchrun (one under --quick), rank 0
+              SIGKILLed after a checkpoint: seconds from the kill to the first step completed
+              after the restart (its TensorBoard wall time), jobs/node.sh's launch line against plain
               ``torchrun --standalone`` (torch's defaults, jobs/local.sh's line)
   real        5 epochs of the default flags on the real 8,000/2,000 split (``--real-data``): wall
               time, training time and test accuracy
@@ -118,6 +118,8 @@ class Sizes:
     recovery_kill_at: int
     """The kill follows the first checkpoint at or after this step."""
     recovery_steps: int
+    recovery_workers: int = 2
+    """Workers of the recovery contenders' one node (rank 0 is the one killed)."""
     real_epochs: int = 5
     timeout_s: float = 900.0
 
@@ -126,7 +128,7 @@ FULL = Sizes(reps=3, steps=120, warmup=20, checkpoint_interval_s=2.0, checkpoint
              paired_rounds=200, paired_block=20, recovery_kill_at=6, recovery_steps=20)
 QUICK = Sizes(reps=1, steps=8, warmup=4, checkpoint_interval_s=0.2, checkpoint_saves=2,
               paired_rounds=8, paired_block=4, recovery_kill_at=4, recovery_steps=8,
-              real_epochs=1, timeout_s=300.0)
+              recovery_workers=1, real_epochs=1, timeout_s=300.0)
 
 
 # --- the contenders that run inside this script's own child processes --------------------------
@@ -605,8 +607,9 @@ def measure_checkpoint(b: Bench) -> dict[str, float]:
 
 
 def shipped_launcher(b: Bench, args: list[str]) -> list[str]:
-    """jobs/node.sh's launch line for one node of two workers (it prints it with DRY_RUN=1)."""
-    env = {**b.env, "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": "2", "MAX_RESTARTS": "1",
+    """jobs/node.sh's launch line for one node (it prints it with DRY_RUN=1)."""
+    env = {**b.env, "DRY_RUN": "1", "NNODES": "1", "NPROC_PER_NODE": str(b.sizes.recovery_workers),
+           "MAX_RESTARTS": "1",
            "RUN_ID": "bench", "TORCHRUN": f"{sys.executable} -m torch.distributed.run"}
     printed = subprocess.run(["bash", str(REPO / "jobs" / "node.sh"), *args], env=env, cwd=REPO,
                              capture_output=True, text=True, check=True)
@@ -615,8 +618,9 @@ def shipped_launcher(b: Bench, args: list[str]) -> list[str]:
 
 def default_launcher(b: Bench, args: list[str]) -> list[str]:
     """Plain ``torchrun --standalone`` (jobs/local.sh's line): torch's rendezvous defaults."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-            "--max_restarts=1", "-m", "elastic_mnist", "train", *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={b.sizes.recovery_workers}", "--max_restarts=1", "-m",
+            "elastic_mnist", "train", *args]
 
 
 def worker_of_rank(launcher_pid: int, rank: int):
@@ -645,7 +649,8 @@ def wait_for(predicate: Callable[[], bool], proc: subprocess.Popen, log: Path,
 
 def recovery(b: Bench, name: str, launcher: Callable[[Bench, list[str]], list[str]]
              ) -> dict[str, float]:
-    """Kills rank 0 of two workers after a checkpoint; times the first step after the restart."""
+    """Kills rank 0 of the node's workers after a checkpoint; times the first step after the
+    restart."""
     s = b.sizes
     work = b.scratch(name)
     log = work / "log.txt"

@@ -161,7 +161,7 @@ def test_the_floor_takes_the_worker_flags_and_defaults(tiny_digits):
 
 def test_recovery_compares_node_sh_with_plain_torchrun(tmp_path):
     b = bench.Bench(data=bench.Data(tmp_path, "synthetic"), device="cpu", threads=1,
-                    sizes=bench.QUICK, work=tmp_path)
+                    sizes=bench.FULL, work=tmp_path)
     shipped = bench.shipped_launcher(b, ["--max-steps", "5"])
     defaults = bench.default_launcher(b, ["--max-steps", "5"])
     assert any(arg.startswith("--rdzv_conf=") and "keep_alive_interval=1" in arg

@@ -72,6 +72,16 @@ def test_a_grouped_probe_outside_torchrun_is_one_line_and_exit_2(tiny_digits, tm
     assert capsys.readouterr().err.count("\n") == 1
 
 
+def test_the_futures_probe_on_cpu_writes_its_check_left_open(tiny_digits, tmp_path):
+    """The one probe without a process group, in this process (the dry run below leaves it out:
+    on a CPU it proves nothing but this)."""
+    assert gpu_probes.main(["futures", "--device", "cpu", "--data-dir", str(tiny_digits),
+                            "--out", str(tmp_path / "futures.json")]) == 0
+    found = json.loads((tmp_path / "futures.json").read_text())
+    assert found["probe"] == "futures" and found["device"] == "cpu"
+    assert list(found["checks"].values()) == [None]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run the script itself")
 def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
@@ -82,7 +92,7 @@ def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     a gloo group's threads outlive it and can abort the process that made it at its exit."""
     out = tmp_path / "out"
     done = run([str(REPO / "scripts" / "gpu_check.sh"), str(out), "--digits", str(tiny_digits),
-                "--only", "smoke,ddp,rng,futures,graphs"], env=clean_env(GPU_CHECK_PYTHON=sys.executable),
+                "--only", "smoke,ddp,rng,graphs"], env=clean_env(GPU_CHECK_PYTHON=sys.executable),
                timeout=240)
     assert done.returncode == 0, done.stdout
     lines = [line for line in done.stdout.splitlines() if line.startswith("gpu_check: ")]
@@ -95,7 +105,7 @@ def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     assert summary["torch"] == torch.__version__
     assert [(s["name"], s["status"]) for s in summary["steps"]] == [
         ("digits", f"skipped (given: {tiny_digits})"), ("smoke", "ok"), ("ddp", "ok"), ("rng", "ok"),
-        ("futures", "ok"), ("graphs", "ok"), ("cuda tests", "skipped (no GPU)"),
+        ("futures", "skipped (not asked for)"), ("graphs", "ok"), ("cuda tests", "skipped (no GPU)"),
         ("laptop", "skipped (no GPU)"), ("bench", "skipped (not asked for)")]
     assert len(summary["not_proven"]) == len(gpu_check.NOT_PROVEN)
     assert all(entry["needs"] == "2 GPUs" for entry in summary["not_proven"])
@@ -104,7 +114,7 @@ def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     assert smoke["passed"] and (smoke["device"], smoke["world_size"]) == ("cpu", 1)
     assert len(smoke["checks"]) == 6 and all(smoke["checks"].values())
     assert summary["steps"][1]["result"] == smoke
-    probes = {s["name"]: s["result"] for s in summary["steps"][2:6]}
+    probes = {s["name"]: s["result"] for s in summary["steps"][2:6] if s["name"] != "futures"}
     for name, found in probes.items():
         assert found["probe"] == name and found["device"] == "cpu" and found["checks"], found
         assert False not in found["checks"].values()

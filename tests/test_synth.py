@@ -30,11 +30,11 @@ def test_shapes_and_dtypes(train_set):
     assert render_digits(torch.zeros(0, dtype=torch.int64), seed=5).shape == (0, 28, 28)
 
 
-def test_same_seed_same_bytes_and_other_seed_differs(train_set):
-    images, labels = train_set
-    again_images, again_labels = generate(2000, seed=0)
+def test_same_seed_same_bytes_and_other_seed_differs():
+    images, labels = generate(300, seed=0)
+    again_images, again_labels = generate(300, seed=0)
     assert torch.equal(images, again_images) and torch.equal(labels, again_labels)
-    other_images, other_labels = generate(2000, seed=1)
+    other_images, other_labels = generate(300, seed=1)
     assert not torch.equal(images, other_images) and not torch.equal(labels, other_labels)
     assert not torch.equal(render_digits(labels.long(), 7), render_digits(labels.long(), 8))
 
@@ -72,9 +72,8 @@ def test_bytes_match_on_every_cpu_kernel_path():
 
     AVX-512 only where the processor has it: asked for elsewhere, torch's kernels die of an
     illegal instruction (an AMD with AVX2 only, say)."""
-    variants = [{"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
-                {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"},
-                {"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "2", **NUMPY_BASELINE_ONLY}]
+    variants = [{"ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1", **NUMPY_BASELINE_ONLY},
+                {"ATEN_CPU_CAPABILITY": "avx2", "OMP_NUM_THREADS": "2"}]
     if torch.cpu._is_avx512_supported():
         variants.append({"ATEN_CPU_CAPABILITY": "avx512", "OMP_NUM_THREADS": "1"})
     children = [subprocess.Popen([sys.executable, "-c", RENDER_IN_CHILD], text=True,
@@ -103,14 +102,14 @@ def test_global_rng_untouched():
 
 
 def test_sample_depends_only_on_seed_index_and_label(monkeypatch):
-    labels = torch.randint(0, 10, (300,), generator=torch.Generator().manual_seed(9))
+    labels = torch.randint(0, 10, (120,), generator=torch.Generator().manual_seed(9))
     reference = render_digits(labels, seed=11)
     monkeypatch.setattr(synth, "_CHUNK", 7)
     assert torch.equal(render_digits(labels, seed=11), reference)  # chunk size is irrelevant
-    assert torch.equal(render_digits(labels[:50], seed=11), reference[:50])  # so is N
+    assert torch.equal(render_digits(labels[:30], seed=11), reference[:30])  # so is N
     relabelled = labels.clone()
-    relabelled[100:] = (relabelled[100:] + 1) % 10
-    assert torch.equal(render_digits(relabelled, seed=11)[:100], reference[:100])
+    relabelled[80:] = (relabelled[80:] + 1) % 10
+    assert torch.equal(render_digits(relabelled, seed=11)[:80], reference[:80])
 
 
 def test_labels_cover_all_classes_roughly_evenly(train_set):
