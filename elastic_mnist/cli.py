@@ -129,7 +129,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from elastic_mnist.data.datasets import dataset_root, load, prepare
     from elastic_mnist.distributed import resolve_device
     from elastic_mnist.model import build_model
-    from elastic_mnist.trainer import evaluate
+    from elastic_mnist.report import evaluate
 
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
     found = newest_valid(Path(args.checkpoint_dir))

@@ -40,19 +40,22 @@ from elastic_mnist.data.datasets import (
     prepare,
 )
 from elastic_mnist.data.fingerprint import SHORT
+from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
-from elastic_mnist.events import EventLog
+from elastic_mnist.events import EventLog, NullEventLog
 from elastic_mnist.faults import Faults
 from elastic_mnist.fence import Fence, NullFence
 from elastic_mnist.lease import LeaseHold
 from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
-from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
+from elastic_mnist.metrics import NullMetrics, TensorBoardMetrics, flat_hparams
 from elastic_mnist.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, stop_on_signals
 from elastic_mnist.progress import progress_display
-from elastic_mnist.trainer import AuditLog, PeerStopped, Trainer
-from elastic_mnist.watchdog import Watchdog
+from elastic_mnist.report import AuditLog
+from elastic_mnist.trainer import PeerStopped, Trainer, planned_steps
+from elastic_mnist.watchdog import NullWatchdog, Watchdog
+from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
 
@@ -98,61 +101,58 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                     Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
     if lease is not None:
         lease.fence_renewals(duties.fence)
-    trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
-                      checkpointer=duties.checkpointer(env, generation, faults),
-                      audit=duties.audit(env, generation), membership=duties.membership)
-    trainer.faults = faults
     resume = find_resume_payload(checkpoint_dir, env, device)
+    step = resume[0]["progress"]["step"] if resume is not None else 0
+    order = SampleOrder(len(dataset.train), cfg.optim.global_batch_size,
+                        cfg.optim.micro_batch_size, cfg.optim.seed)
+    # Steps after the checkpoint were lost with the old workers: the dashboards hide what they
+    # logged (opened at the step after it).
+    writers = duties.first(env, generation, faults, step, planned_steps(cfg, order))
+    trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
+                      writers=writers, membership=duties.membership, after_change=duties.after)
     if resume is not None:
         payload, source = resume
         trainer.restore(payload, source)
         log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
                  trainer.whereabouts(), payload["world_size"], env.world_size)
-    step = trainer.progress.step
-    # Steps after the checkpoint were lost with the old workers: hide what they logged.
-    duties.report(trainer, purge_step=step + 1)
-    trainer.metrics.layout(DASHBOARD)
-    trainer.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
-    trainer.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
+    writers.metrics.layout(DASHBOARD)
+    writers.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
+    writers.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
                              "dataset_kind": dataset.kind}, HPARAM_METRICS)
-    trainer.events.emit("start", step, world_size=env.world_size, restart_generation=generation,
+    writers.events.emit("start", step, world_size=env.world_size, restart_generation=generation,
                         resumed_from_step=trainer.resumed_from, run_id=run_id,
                         torchelastic_restart_count=env.restart_count, dataset=dataset.kind,
                         recovery="in-process" if duties.membership.in_process else "restart")
     if resume is not None and payload["world_size"] != env.world_size:
-        trainer.events.emit("resize", step, old_world_size=payload["world_size"],
+        writers.events.emit("resize", step, old_world_size=payload["world_size"],
                             new_world_size=env.world_size)
 
-    duties.watch(trainer)
-    trainer.on_change = partial(duties.hand_over, trainer)
+    writers.watchdog.start()
     duties.membership.on_fallback = partial(record_fallback, trainer, run_dir, duties.fence)
     try:
         with stop_on_signals() as stop:
             try:
                 outcome = trainer.fit(stop)
             except RuntimeError:  # a collective failed: quietly, if a peer declared a hang
-                trainer.watchdog.absorb()
+                trainer.writers.watchdog.absorb()
                 raise
             finally:  # no step follows: nothing left to watch
-                trainer.watchdog.close()
-        trainer.checkpointer.wait()
+                trainer.writers.watchdog.close()
+        trainer.writers.checkpointer.wait()
     finally:
-        trainer.checkpointer.close()
-        trainer.display.close()
-        trainer.metrics.close()
-        trainer.audit.close()
-    step = trainer.progress.step
+        trainer.writers.close()
+    step, events = trainer.progress.step, trainer.writers.events
     if outcome != "finished":
-        trainer.events.emit(outcome, step, signal=stop.signal_name)
-        trainer.events.close()
+        events.emit(outcome, step, signal=stop.signal_name)
+        events.close()
         if outcome == "left":
             log.warning("leaving at step %d after %s: the other nodes go on without this one; "
                         "exiting with %d", step, stop.signal_name, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         return report_stop(trainer, stop, cfg, env)
     test_loss, test_accuracy = trainer.last_eval or (None, None)
-    trainer.events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
-    trainer.events.close()
+    events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
+    events.close()
     duties.membership.release_agents()
     log.info("finished at step %d", step)
     return 0
@@ -174,6 +174,61 @@ class Duties:
     fence: NullFence = dataclasses.field(default_factory=NullFence)
     """Asked by every writer before it commits: whether this process is still the job's."""
 
+    writers: Writers = dataclasses.field(default_factory=Writers, init=False)
+    """The current generation's bundle, which the next one is built from."""
+    total_steps: int = dataclasses.field(default=0, init=False)
+
+    def first(self, env: DistEnv, generation: int, faults: Faults, step: int,
+              total_steps: int) -> Writers:
+        """The launch's writers, for a loop that starts at ``step``: rank 0's dashboards and
+        records are opened at the step after it (whatever an earlier rank 0 logged there or
+        later is hidden: its steps are done again). The watchdog is built, not yet started."""
+        self.total_steps = total_steps
+        self.writers = self._bundle(env, generation, faults, step, Writers(
+            checkpointer=self.checkpointer(env, generation, faults),
+            audit=self.audit(env, generation)))
+        return self.writers
+
+    def after(self, change: Change) -> Writers:
+        """After a change of membership: this process's new rank takes its duties, in a new
+        bundle (the checkpointer, dashboards and records that stay with it carried over)."""
+        env, generation = change.env, change.generation
+        setup_logging(env)
+        if env.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            add_file_handler(str(self.run_dir / "train.log"))
+        if env.is_local_main:
+            self.fence.check()
+            write_run_file(self.checkpoint_dir, self.run_id, generation)
+        faults = Faults.from_environ(env.rank, env.restart_count, regrouped=True)
+        old = self.writers
+        old.audit.close()
+        audit = self.audit(env, generation)
+        checkpointer = old.checkpointer
+        if isinstance(checkpointer, Checkpointer):
+            checkpointer.restart_generation = generation
+        elif env.is_main:
+            checkpointer = self.checkpointer(env, generation, faults, taking_over_at=change.step)
+        self.writers = self._bundle(env, generation, faults, change.step, dataclasses.replace(
+            old, checkpointer=checkpointer, audit=audit))
+        self.writers.watchdog.start()
+        return self.writers
+
+    def _bundle(self, env: DistEnv, generation: int, faults: Faults, step: int,
+                kept: Writers) -> Writers:
+        """``kept``'s checkpointer and audit with a new display, rank 0's dashboards and
+        records (opened once per process, at the step after ``step``), a new watchdog."""
+        kept.display.close()
+        display = progress_display(env.is_main, self.total_steps, step, env.world_size)
+        metrics, events, checkpointer = kept.metrics, kept.events, kept.checkpointer
+        if env.is_main and not isinstance(metrics, TensorBoardMetrics):
+            metrics = TensorBoardMetrics(self.run_dir, purge_step=step + 1, fence=self.fence)
+            events = EventLog(self.run_dir / "events.jsonl", self.fence)
+            checkpointer.on_commit = partial(record_checkpoint, metrics, events, checkpointer)
+        return Writers(metrics=metrics, checkpointer=checkpointer, audit=kept.audit,
+                       events=events, display=display, watchdog=self.watchdog(env, events),
+                       faults=faults)
+
     def checkpointer(self, env: DistEnv, generation: int, faults: Faults,
                      taking_over_at: int | None = None) -> NullCheckpointer:
         c = self.cfg.checkpoint
@@ -186,56 +241,20 @@ class Duties:
         path = self.run_dir / "audit" / f"g{generation}-r{env.rank}.jsonl"
         return AuditLog(path if self.cfg.run.audit_samples else None, self.fence)
 
-    def report(self, trainer: Trainer, purge_step: int) -> None:
-        """Rank 0's dashboards and records, opened at ``purge_step``: whatever an earlier rank
-        0 logged there or later is hidden (its steps are done again)."""
-        env = trainer.env
-        trainer.display.close()
-        trainer.display = progress_display(env.is_main, trainer.total_steps,
-                                           trainer.progress.step, env.world_size)
-        if not env.is_main or isinstance(trainer.metrics, TensorBoardMetrics):
-            return
-        trainer.metrics = TensorBoardMetrics(self.run_dir, purge_step=purge_step,
-                                             fence=self.fence)
-        trainer.events = EventLog(self.run_dir / "events.jsonl", self.fence)
-        trainer.checkpointer.on_commit = partial(record_checkpoint, trainer)
-
-    def watch(self, trainer: Trainer) -> None:
-        """The watchdog of the trainer's current group: on the coordination store where the
-        survivors go on in process (it names the hung ranks to them), else on the group's."""
-        env, cfg = trainer.env, self.cfg
+    def watchdog(self, env: DistEnv, events: NullEventLog) -> NullWatchdog:
+        """The watchdog of the current group (not yet started): on the coordination store where
+        the survivors go on in process (it names the hung ranks to them), else on the group's.
+        Its thread reports a hang through ``events``, this generation's."""
         in_process = self.membership.in_process
         store = self.membership.generation_store() if in_process else self.group_store
-        if store is None or cfg.run.hang_timeout <= 0:
-            return
-        trainer.watchdog = Watchdog(
-            env, store, cfg.run.hang_timeout,
-            report=partial(record_hang, trainer, self.run_dir, self.fence),
+        if store is None or self.cfg.run.hang_timeout <= 0:
+            return NullWatchdog()
+        return Watchdog(
+            env, store, self.cfg.run.hang_timeout,
+            report=partial(record_hang, env, events, self.run_dir, self.fence),
             go_on_without=partial(self.membership.declare, "hung",
                                   generation=self.membership.generation) if in_process else None,
             store_host=None if in_process else 0)
-        trainer.watchdog.start()
-
-    def hand_over(self, trainer: Trainer, change: Change) -> None:
-        """After a change of membership: this process's new rank takes its duties."""
-        env, generation = change.env, change.generation
-        setup_logging(env)
-        if env.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            add_file_handler(str(self.run_dir / "train.log"))
-        if env.is_local_main:
-            self.fence.check()
-            write_run_file(self.checkpoint_dir, self.run_id, generation)
-        trainer.faults = Faults.from_environ(env.rank, env.restart_count, regrouped=True)
-        trainer.audit.close()
-        trainer.audit = self.audit(env, generation)
-        if isinstance(trainer.checkpointer, Checkpointer):
-            trainer.checkpointer.restart_generation = generation
-        elif env.is_main:
-            trainer.checkpointer = self.checkpointer(env, generation, trainer.faults,
-                                                     taking_over_at=change.step)
-        self.report(trainer, purge_step=change.step + 1)
-        self.watch(trainer)
 
 
 def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
@@ -321,7 +340,7 @@ def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: Dist
         log.warning("stopped at step %d after %s; checkpoint saved, exiting with %d", step,
                     stop.signal_name or "another rank's stop request", EXIT_PREEMPTED)
         return EXIT_PREEMPTED
-    manifest = trainer.checkpointer.last_manifest
+    manifest = trainer.writers.checkpointer.last_manifest
     saved = (f"checkpoint saved: {Path(cfg.checkpoint.checkpoint_dir) / manifest.file}"
              if manifest is not None else "checkpoint saved")
     resume = cfg.run.resume_command or (
@@ -332,20 +351,20 @@ def report_stop(trainer: Trainer, stop: StopRequest, cfg: TrainConfig, env: Dist
     return 0 if env.launched else EXIT_INTERRUPTED
 
 
-def record_checkpoint(trainer: Trainer, manifest: Manifest, blocking_ms: float) -> None:
+def record_checkpoint(metrics: NullMetrics, events: NullEventLog, checkpointer: Checkpointer,
+                      manifest: Manifest, blocking_ms: float) -> None:
     """A committed checkpoint, on the dashboards and in events.jsonl (from the writer thread)."""
-    trainer.metrics.scalars(manifest.step, {"ckpt/save_ms": blocking_ms,
-                                            "ckpt/bytes": manifest.bytes})
-    trainer.events.emit("checkpoint", manifest.step, path=str(trainer.checkpointer.directory /
-                                                              manifest.file),
-                        blocking_ms=blocking_ms, bytes=manifest.bytes)
+    metrics.scalars(manifest.step, {"ckpt/save_ms": blocking_ms, "ckpt/bytes": manifest.bytes})
+    events.emit("checkpoint", manifest.step, path=str(checkpointer.directory / manifest.file),
+                blocking_ms=blocking_ms, bytes=manifest.bytes)
 
 
-def record_hang(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict) -> None:
+def record_hang(env: DistEnv, events: NullEventLog, run_dir: Path, fence: NullFence,
+                record: dict) -> None:
     """The ``hang`` event, from the watchdog thread of the rank that declared it: rank 0's log,
     or, from another rank, the run folder's events.jsonl where this node can see it."""
-    if trainer.env.is_main:
-        trainer.events.emit("hang", record["last_step"], **record)
+    if env.is_main:
+        events.emit("hang", record["last_step"], **record)
     elif run_dir.is_dir():
         events = EventLog(run_dir / "events.jsonl", fence)
         events.emit("hang", record["last_step"], **record)
@@ -358,7 +377,7 @@ def record_fallback(trainer: Trainer, run_dir: Path, fence: NullFence, record: d
     this node can see it."""
     step = trainer.progress.step
     if trainer.env.is_main:
-        trainer.events.emit("fallback", step, **record)
+        trainer.writers.events.emit("fallback", step, **record)
     elif trainer.env.is_local_main and run_dir.is_dir():
         events = EventLog(run_dir / "events.jsonl", fence)  # a rank dropped meanwhile: nothing
         events.emit("fallback", step, **record)
@@ -479,8 +498,8 @@ def launch_summary(cfg: TrainConfig, env: DistEnv, device: torch.device, dataset
         f"command: `{' '.join(sys.argv)}`",
         f"torch {torch.__version__}, python {platform.python_version()}, host {platform.node()}",
         f"world: {env.describe()}, device {device}",
-        f"precision: {trainer.float32_math}",
-        f"compile: {trainer.compilation.describe()}",
+        f"precision: {trainer.engine.float32_math}",
+        f"compile: {trainer.engine.compilation.describe()}",
         f"data: {dataset.describe()}",
         f"resumed from: {trainer.resumed_source or 'nothing (a fresh start)'}",
     ]

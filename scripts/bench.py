@@ -308,6 +308,7 @@ def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: 
     from elastic_mnist.env import DistEnv
     from elastic_mnist.metrics import TensorBoardMetrics
     from elastic_mnist.trainer import Trainer
+    from elastic_mnist.writers import Writers
 
     device = torch.device(device_name)
     cfg = train_config_from_args(build_parser().parse_args(
@@ -318,10 +319,12 @@ def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: 
                             rank=0, world_size=1)
     trainers = {}
     for name, env in (("worker", DistEnv()), ("ddp", DistEnv(launched=True))):
+        writers = Writers(
+            checkpointer=Checkpointer(Path(work) / name / "ckpt", every=block, keep_last=3,
+                                      restart_generation=0),
+            metrics=TensorBoardMetrics(Path(work) / name / "runs", purge_step=1))
         trainer = Trainer(cfg, env, device, dataset, run_id="bench", restart_generation=0,
-                          checkpointer=Checkpointer(Path(work) / name / "ckpt", every=block,
-                                                    keep_last=3, restart_generation=0))
-        trainer.metrics = TensorBoardMetrics(Path(work) / name / "runs", purge_step=1)
+                          writers=writers)
         trainers[name] = trainer
 
     def turn(trainer: Trainer) -> Callable[[], None]:
@@ -340,8 +343,8 @@ def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: 
             if round_ >= block:
                 seconds[name].append(time.perf_counter() - began)
     for trainer in trainers.values():
-        trainer.checkpointer.close()
-        trainer.metrics.close()
+        trainer.writers.checkpointer.close()
+        trainer.writers.metrics.close()
     dist.destroy_process_group()
 
     def blocks(name: str) -> list[float]:

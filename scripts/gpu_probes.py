@@ -88,7 +88,7 @@ def on_gpu(device: torch.device, value: bool) -> bool | None:
 def probe_ddp(device: torch.device, data_dir: Path, env) -> tuple[Checks, dict]:
     import torch.distributed as dist
 
-    from elastic_mnist.trainer import evaluate
+    from elastic_mnist.report import evaluate
 
     checks: Checks = {}
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -98,7 +98,7 @@ def probe_ddp(device: torch.device, data_dir: Path, env) -> tuple[Checks, dict]:
     dist.all_reduce(summed, async_op=True).get_future().wait()
     checks["an all-reduce's future gives its sum"] = summed.tolist() == [3.0] * 4
     trainer = trainer_for(config(device), env, device, data_dir)
-    checks["the model is in DDP"] = trainer.ddp is not None
+    checks["the model is in DDP"] = trainer.engine.ddp is not None
     for _ in range(2):
         step(trainer)
 
@@ -203,9 +203,9 @@ def probe_graphs(device: torch.device, data_dir: Path, env) -> tuple[Checks, dic
             grads.append([p.grad.detach().clone() for p in trainer.model.parameters()])
         runs.append((trainer, grads, losses))
     (_, eager_grads, eager_losses), (compiled, compiled_grads, compiled_losses) = runs
-    checks: Checks = {"the model is in DDP": compiled.ddp is not None,
+    checks: Checks = {"the model is in DDP": compiled.engine.ddp is not None,
                       "one micro-batch per step chooses CUDA graphs": on_gpu(
-                          device, compiled.compilation.mode == CUDA_GRAPHS)}
+                          device, compiled.engine.compilation.mode == CUDA_GRAPHS)}
     apart = []  # tests/test_fast_path.py's tolerances, per step and parameter
     for number, (ours, theirs) in enumerate(zip(compiled_grads, eager_grads), 1):
         for index, (got, want) in enumerate(zip(ours, theirs)):
@@ -215,7 +215,7 @@ def probe_graphs(device: torch.device, data_dir: Path, env) -> tuple[Checks, dic
     checks["3 compiled steps' gradients are eager's, to rounding"] = not apart
     loss_gap = max(abs(a - b) / abs(b) for a, b in zip(compiled_losses, eager_losses))
     checks["3 compiled steps' losses are eager's (to 1e-4)"] = loss_gap < 1e-4
-    return checks, {"mode": compiled.compilation.mode, "gradients_apart": apart,
+    return checks, {"mode": compiled.engine.compilation.mode, "gradients_apart": apart,
                     "worst_loss_gap": loss_gap, "eager_losses": eager_losses,
                     "compiled_losses": compiled_losses}
 

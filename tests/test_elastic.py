@@ -99,7 +99,7 @@ def test_training_does_not_depend_on_the_world_size(tiny_digits, reference_run,
 def evaluate_in_process(checkpoint: Path, digits) -> tuple[float, float]:
     from elastic_mnist.env import DistEnv
     from elastic_mnist.model import build_model
-    from elastic_mnist.trainer import evaluate as evaluate_model
+    from elastic_mnist.report import evaluate as evaluate_model
 
     model = build_model(0)
     model.load_state_dict(torch.load(checkpoint, weights_only=True)["model"])

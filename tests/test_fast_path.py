@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from elastic_mnist import trainer as trainer_module
+from elastic_mnist import engine as engine_module
+from elastic_mnist import report as report_module
 from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.cli import build_parser
 from elastic_mnist.config import TrainConfig, train_config_from_args
@@ -38,8 +39,10 @@ from elastic_mnist.fast_path import (
 )
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
-from elastic_mnist.trainer import Trainer, evaluate
+from elastic_mnist.report import evaluate
+from elastic_mnist.trainer import Trainer
 from elastic_mnist.watchdog import NullWatchdog
+from elastic_mnist.writers import Writers
 
 cuda = pytest.mark.cuda
 
@@ -165,7 +168,7 @@ def test_compiled_model_records_batchnorm_statistics(tiny_digits, monkeypatch):
     torch._dynamo.reset()
     plain = trained(tiny_digits, config(), steps=3)
     fast = trained(tiny_digits, config(compile=True), steps=3)
-    assert fast.net is not fast.model
+    assert fast.engine.net is not fast.model
     for (key, ours), theirs in zip(fast.model.state_dict().items(),
                                    plain.model.state_dict().values()):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=0, msg=key)
@@ -176,8 +179,8 @@ def test_ddp_at_world_size_one_uses_one_bucket(tiny_digits, tmp_path):
                             world_size=1)
     try:
         trainer = trained(tiny_digits, config(), steps=1, env=DistEnv(launched=True))
-        assert trainer.ddp is not None
-        ddp = trainer.ddp._get_ddp_logging_data()
+        assert trainer.engine.ddp is not None
+        ddp = trainer.engine.ddp._get_ddp_logging_data()
     finally:
         dist.destroy_process_group()
     assert "," not in str(ddp["bucket_sizes"])  # one bucket
@@ -223,8 +226,8 @@ def test_the_trainer_compiles_as_chosen_for_its_launch(tiny_digits, monkeypatch)
     modes = []
     monkeypatch.setattr(torch, "compile", lambda model, mode=None: modes.append(mode) or model)
     seen = []
-    choose = trainer_module.choose_compilation
-    monkeypatch.setattr(trainer_module, "choose_compilation",
+    choose = engine_module.choose_compilation
+    monkeypatch.setattr(engine_module, "choose_compilation",
                         lambda *args: seen.append(args) or choose(*args))
     monkeypatch.setattr(dist, "broadcast", lambda tensor, src: None)  # no group at world size 2
     data = load(tiny_digits, "synthetic")
@@ -237,7 +240,7 @@ def test_the_trainer_compiles_as_chosen_for_its_launch(tiny_digits, monkeypatch)
     assert f"compile: torch.compile mode={NO_CUDA_GRAPHS!r}" in summary
     plain = Trainer(config(), DistEnv(), torch.device("cpu"), data, run_id="fast",
                     restart_generation=0)
-    assert plain.compilation.mode is None and plain.net is plain.model and len(modes) == 2
+    assert plain.engine.compilation.mode is None and plain.engine.net is plain.model and len(modes) == 2
     assert "compile: off" in launch_summary(plain.cfg, plain.env, plain.device, data, plain)
 
 
@@ -263,10 +266,10 @@ def test_precision_sets_tf32_explicitly_and_the_launch_says_so(tiny_digits, tf32
     # torch 2.9+'s per-operator view of the same switches agrees (and stays readable).
     assert (backends.cudnn.conv.fp32_precision == "tf32") is tf32
     assert backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
-    assert trainer.float32_math.startswith(f"{precision} (")
-    assert ("TF32 off" in trainer.float32_math) is not tf32
+    assert trainer.engine.float32_math.startswith(f"{precision} (")
+    assert ("TF32 off" in trainer.engine.float32_math) is not tf32
     summary = launch_summary(trainer.cfg, trainer.env, trainer.device, data, trainer)
-    assert f"precision: {trainer.float32_math}" in summary
+    assert f"precision: {trainer.engine.float32_math}" in summary
 
 
 class RecordingWatchdog(NullWatchdog):
@@ -293,14 +296,14 @@ def test_a_compiled_steps_new_micro_batch_size_is_busy_for_the_watchdog(tiny_dig
     monkeypatch.setattr(torch, "compile", lambda model, mode=None: model)
     cfg = config(compile=compile)
     cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 96, 24
+    dog = RecordingWatchdog()
     trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
-                      run_id="fast", restart_generation=0)
-    trainer.watchdog = RecordingWatchdog()
+                      run_id="fast", restart_generation=0, writers=Writers(watchdog=dog))
     for _ in range(8):  # the whole first epoch (7 steps) and one more
         trainer.iteration(stop_requested=False)
-    compiling = [step for step, what in trainer.watchdog.busy_at if what == "compiling"]
+    compiling = [step for step, what in dog.busy_at if what == "compiling"]
     assert compiling == ([1, 7] if compile else [])
-    assert trainer.compiled_sizes == ({24, 16} if compile else set())
+    assert trainer.engine.compiled_sizes == ({24, 16} if compile else set())
 
 
 def test_the_evaluation_reads_the_test_split_kept_on_the_device(tiny_digits, monkeypatch):
@@ -308,7 +311,7 @@ def test_the_evaluation_reads_the_test_split_kept_on_the_device(tiny_digits, mon
     assert trainer.test_data.images.device == trainer.device
     assert torch.equal(trainer.test_data.images, trainer.dataset.test.images)
     evaluated = []
-    monkeypatch.setattr(trainer_module, "evaluate",
+    monkeypatch.setattr(report_module, "evaluate",
                         lambda model, digits, *args, **kwargs: evaluated.append(digits) or (1, 0))
     trainer.log_evaluation()
     assert evaluated == [trainer.test_data]
@@ -375,7 +378,7 @@ def test_compiled_steps_give_eager_gradients(tiny_digits, tf32_switches, micro_b
             grads.append([p.grad.detach().clone() for p in trainer.model.parameters()])
         runs.append((trainer, grads, losses))
     (_, eager_grads, eager_losses), (compiled, compiled_grads, compiled_losses) = runs
-    graphs = compiled.compilation.mode == CUDA_GRAPHS
+    graphs = compiled.engine.compilation.mode == CUDA_GRAPHS
     assert graphs == (micro_batch_size == 64)
     for step, (ours, theirs) in enumerate(zip(compiled_grads, eager_grads), 1):
         for got, want in zip(ours, theirs):

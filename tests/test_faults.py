@@ -353,7 +353,7 @@ def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
     """Rank 0's watchdog's verdict, rank 1 as ``Peer`` says; rank 0's own training thread is a
     real thread blocked in a host sync that no torch frame shows (as an NCCL rank blocks, the
     collective having returned at once), inside ``waiting()`` when ``rank0_waits``: the step's
-    wait, holding the collective's own (the trainer's ``_all_reduce_``), closed before the read."""
+    wait, holding the collective's own (``Comm.all_reduce_``), closed before the read."""
     import contextlib
     import datetime
     import threading
@@ -453,7 +453,7 @@ def test_a_heartbeat_says_where_the_training_thread_stands():
 
 
 class NcclLikeSum:
-    """The trainer's ``_all_reduce_`` as it runs on NCCL: its own wait ends at once (the
+    """The loop's ``Comm.all_reduce_`` as it runs on NCCL: its own wait ends at once (the
     collective is only queued), and the rank blocks later, in the read of the result. Records,
     at each read, whether the rank was marked as waiting for its peers."""
 
@@ -484,18 +484,19 @@ def test_the_reads_that_block_on_nccl_are_waits(tiny_digits):
     from elastic_mnist.data.datasets import load
     from elastic_mnist.env import DistEnv
     from elastic_mnist.trainer import Trainer
+    from elastic_mnist.writers import Writers
 
     cfg = TrainConfig()
     cfg.optim.global_batch_size, cfg.optim.micro_batch_size = 64, 32
-    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
-                      run_id="waits", restart_generation=0)
     dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), GoneStore(),
                             floor_s=10.0, report=lambda record: None)
-    trainer.watchdog, trainer._all_reduce_ = dog, NcclLikeSum(dog)
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="waits", restart_generation=0, writers=Writers(watchdog=dog))
+    sums = trainer.comm.all_reduce_ = NcclLikeSum(dog)
     try:
         trainer.train_step(trainer.global_batch(), stop_requested=False)
         trainer.log_evaluation()
     finally:
         dog.close()
-    assert trainer._all_reduce_.marked_at_reads == [True, True]
+    assert sums.marked_at_reads == [True, True]
     assert not dog.waiting_for_peers

@@ -817,6 +817,7 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     from elastic_mnist.membership import Change
     from elastic_mnist.preemption import StopRequest
     from elastic_mnist.trainer import Trainer
+    from elastic_mnist.writers import Writers
 
     cfg = TrainConfig()
     cfg.optim.global_batch_size, cfg.optim.micro_batch_size, cfg.optim.max_steps = 64, 32, 11
@@ -831,18 +832,20 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
         predecessor = Checkpointer(tmp_path, every=0, keep_last=3, restart_generation=1)
         predecessor.maybe_save(trainer.state, 10, epoch_end=True, final=True)
         predecessor.close()
-    trainer.checkpointer = checkpointer = Checkpointer(
-        tmp_path, every=0, keep_last=3, restart_generation=2, taking_over_at=10)
+    # The new generation's writers, as a change hands them over (Duties.after).
+    checkpointer = Checkpointer(tmp_path, every=0, keep_last=3, restart_generation=2,
+                                taking_over_at=10)
+    events = Recorded()
+    trainer.take(Writers(checkpointer=checkpointer, events=events))
     committed = []
     checkpointer.on_commit = lambda manifest, blocking_ms: committed.append(manifest.step)
-    trainer.events = Recorded()
     trainer.owed = Change(env=DistEnv(), generation=2, old_world_size=2, lost=[], why="died",
                           step=10, holder=0, steps_redone=0,
                           evaluated_step=9 if rank0_did == "trained" else 10, detected=0.0,
                           detected_at=0.0)
     assert trainer.fit(StopRequest()) == "finished"
     checkpointer.close()
-    evals = [step for event, step in trainer.events.records if event == "eval"]
+    evals = [step for event, step in events.records if event == "eval"]
     assert evals == ([10, 11] if rank0_did == "trained" else [11])
     assert committed == ([11] if rank0_did == "saved" else [10, 11])
     assert newest_committed_step(tmp_path) == 11 and (tmp_path / "step-00000010.pt").exists()
@@ -854,20 +857,23 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
     skipped for want of a group would return this rank's own values as the sum: a step's flags
     and statistics, an evaluation's accuracy, of one rank. Every collective of the loop raises
     PeerFailure instead, which the loop recovers from."""
+    from elastic_mnist.comm import Comm
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.trainer import GradCheck, Trainer, sum_allreduce_hook
+    from elastic_mnist.engine import GradCheck, sum_allreduce_hook
+    from elastic_mnist.trainer import Trainer
+    from elastic_mnist.watchdog import NullWatchdog
 
     cfg = TrainConfig()
     cfg.run.device = "cpu"
     trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
                       run_id="aborted", restart_generation=1)
     member = members(0, world_size=2)
-    trainer.env, trainer.membership = member.env, member  # rank 0 of 2, its group gone
+    trainer.comm = Comm(member.env, member, NullWatchdog())  # rank 0 of 2, its group gone
     member.abort(Fault("died", [1], 1, "", time.time()))
     assert not torch.distributed.is_initialized()
     with pytest.raises(PeerFailure):
-        trainer._all_reduce_(torch.ones(3))
+        trainer.comm.all_reduce_(torch.ones(3))
     with pytest.raises(PeerFailure):
         trainer.log_evaluation()
     assert trainer.last_eval is None
@@ -1018,10 +1024,9 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
 
     cfg = TrainConfig()
     cfg.run.device = "cpu"
-    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
-                      run_id="late", restart_generation=1)
     mine, theirs = members(1), members(0)
-    trainer.membership = mine
+    trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
+                      run_id="late", restart_generation=1, membership=mine)
     theirs_state = trainer.state()
     theirs_state["model"] = {k: v + 1 for k, v in theirs_state["model"].items()}
     arrives, gathered = threading.Event(), threading.Event()
@@ -1036,7 +1041,7 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
 
     monkeypatch.setattr(distributed, "broadcast_object", late_state)
     monkeypatch.setattr(distributed, "all_gather_object", digests)
-    before, net = state_digest(trainer.model.state_dict()), trainer.net
+    before, net = state_digest(trainer.model.state_dict()), trainer.engine.net
     threading.Timer(0.5, lambda: theirs.declare("died", [0], "lost")).start()
     with pytest.raises(PeerFailure):
         trainer.adopt(a_change(1, 2, 1))
@@ -1044,7 +1049,7 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
     gathered.wait(5)
     time.sleep(0.5)  # whatever the thread given up on still does, it has done
     assert state_digest(trainer.model.state_dict()) == before
-    assert trainer.net is net and trainer.change is None
+    assert trainer.engine.net is net and trainer.change is None
 
 
 @pytest.mark.parametrize("loaded", ["as agreed", "corrupted"])

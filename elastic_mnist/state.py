@@ -1,0 +1,109 @@
+"""What a checkpoint holds and what a resume may continue from: the payload and its rules.
+
+The payload is everything needed to continue exactly (model, optimizer, progress, RNG, config,
+data); :func:`check_compatible` says, in one line, the first way a checkpoint does not fit this
+run; :func:`load_state` takes a payload's state onto this process's device and kernels.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from elastic_mnist.checkpoint import CheckpointError
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.data.datasets import Dataset
+from elastic_mnist.data.fingerprint import SHORT
+from elastic_mnist.data.order import epoch_number
+from elastic_mnist.rng import restore_rng_state, rng_state
+
+# Config fields that fix which samples each step sees: a checkpoint written under other values
+# cannot be continued exactly.
+RESUME_INVARIANTS = (("optim", "seed"), ("optim", "global_batch_size"),
+                     ("optim", "micro_batch_size"))
+
+
+@dataclass
+class Progress:
+    """Where training stands; the data cursor is ``cursor`` samples into ``epoch``'s order."""
+
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0
+    samples_seen: int = 0
+    nonfinite_steps: int = 0
+    """Steps skipped because their loss or gradients were not finite, in the whole run."""
+    nonfinite_in_a_row: int = 0
+
+    def epoch_number(self) -> int:
+        """The epoch of the last completed step, counted from 1 (data/order.py)."""
+        return epoch_number(self.step, self.epoch, self.cursor)
+
+
+def payload(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
+            device: torch.device, cfg: TrainConfig, dataset: Dataset, world_size: int,
+            run_id: str) -> dict[str, Any]:
+    """Everything needed to continue exactly: the payload of a checkpoint."""
+    return {
+        "format": 1,
+        "model": model.state_dict(),  # the unwrapped module, never the DDP wrapper
+        "optimizer": optimizer.state_dict(),
+        "progress": asdict(progress),
+        "rng": rng_state(device),  # this device's CUDA generator, not every GPU's
+        "config": cfg.to_dict(),
+        "data": {"kind": dataset.kind, "num_train": len(dataset.train),
+                 "fingerprint": dataset.fingerprint},
+        "world_size": world_size,
+        "run_id": run_id,
+    }
+
+
+def load_state(payload: dict[str, Any], model: nn.Module, optimizer: torch.optim.Optimizer,
+               cfg: TrainConfig, device: torch.device) -> Progress:
+    """Takes the state of a payload (a checkpoint's, or a peer's after a change) into ``model``
+    and ``optimizer`` and this device's RNG; returns its progress."""
+    model.load_state_dict(payload["model"])
+    saved = payload["optimizer"]
+    kernels = {key: optimizer.defaults[key] for key in ("fused", "foreach")}
+    # This device's kernels, whatever device saved the state (set before the load, which
+    # places each parameter's step count where the fused kernel wants it).
+    optimizer.load_state_dict({**saved, "param_groups": [
+        {**group, **kernels} for group in saved["param_groups"]]})
+    for group in optimizer.param_groups:  # flags may change between launches
+        group["weight_decay"] = cfg.optim.weight_decay
+    progress = Progress(**payload["progress"])
+    restore_rng_state(payload["rng"], device)
+    return progress
+
+
+def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig,
+                     dataset: Dataset, source: str) -> None:
+    """Raises CheckpointError naming the first mismatch between a checkpoint and this run."""
+    theirs, ours = payload["model"], model.state_dict()
+    if set(theirs) != set(ours):
+        missing, extra = sorted(set(ours) - set(theirs)), sorted(set(theirs) - set(ours))
+        raise CheckpointError(f"{source} is from a different model: missing {missing[:3]}, "
+                              f"unexpected {extra[:3]}")
+    for key, tensor in ours.items():
+        if tuple(theirs[key].shape) != tuple(tensor.shape):
+            raise CheckpointError(f"{source} is from a different model: {key} has shape "
+                                  f"{tuple(theirs[key].shape)}, this model {tuple(tensor.shape)}")
+    for section, name in RESUME_INVARIANTS:
+        was = payload["config"][section][name]
+        now = getattr(getattr(cfg, section), name)
+        if was != now:
+            raise CheckpointError(f"{source} was written with --{name.replace('_', '-')}={was}, "
+                                  f"this run has {now}; use another --checkpoint-dir")
+    data = payload["data"]
+    if (data["kind"], data["num_train"]) != (dataset.kind, len(dataset.train)):
+        raise CheckpointError(f"{source} was trained on {data['num_train']} {data['kind']} "
+                              f"samples, this run has {len(dataset.train)} {dataset.kind}")
+    # Checkpoints written before fingerprints existed lack one: nothing to compare.
+    if data.get("fingerprint", dataset.fingerprint) != dataset.fingerprint:
+        raise CheckpointError(f"{source} was trained on other digits (fingerprint "
+                              f"{data['fingerprint'][:SHORT]}, this run's data "
+                              f"{dataset.fingerprint[:SHORT]} in {dataset.root}); use the same "
+                              f"data or another --checkpoint-dir")
