@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from elastic_mnist.data.order import epoch_number
+from elastic_mnist.errors import CheckpointError, CheckpointWriteError, InvalidCheckpoint
 from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
 
@@ -43,18 +44,6 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 POINTER = "latest"
 RUN_FILE = "run.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that must not be loaded: unsafe, or from another model or config."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """The checkpoint folder cannot take a checkpoint: full, read-only, or not permitted."""
-
-
-class InvalidCheckpoint(Exception):
-    """A checkpoint that is corrupt, truncated or half-written; the previous one is used instead."""
 
 
 @dataclass(frozen=True)

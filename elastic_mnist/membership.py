@@ -78,7 +78,8 @@ import torch.distributed as dist
 
 from elastic_mnist.distributed import backend_for, end_process
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import CannotTell, Over
+from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, CannotRecover, CannotTell, PeerFailure
+from elastic_mnist.fence import Over
 from elastic_mnist.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)
@@ -97,9 +98,6 @@ where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6
 and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
 recovery may add to it (it is named by this silence when nothing else fails first)."""
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
-EXIT_GAVE_UP = 124
-"""Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
-restarts its node, and the rendezvous that follows restarts every node."""
 CURRENT = "current"
 """The key naming the job's current generation, and the processes of the last one it kept."""
 GENERATION_FILE = "generation.json"
@@ -107,14 +105,6 @@ GENERATION_FILE = "generation.json"
 decides from when the coordination store does not answer (see :meth:`Membership.dropped`)."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
-
-
-class PeerFailure(RuntimeError):
-    """A collective of the training loop failed, or was given up on: the group changed."""
-
-
-class CannotRecover(Exception):
-    """This rank cannot go on in process; it leaves, and torchrun restarts the job."""
 
 
 @dataclass(frozen=True)
@@ -627,7 +617,7 @@ class Membership(NullMembership):
         fault is declared in this generation, which this thread does itself when a member's
         pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
         it completes only if the member it waits for comes back to life, and that one, dropped,
-        leaves (exit 124), so that torchrun restarts the job anyway.
+        leaves (EXIT_DROPPED), so that torchrun restarts the job anyway.
 
         ``work`` changes nothing outside itself (no default group, no model, no trainer): it
         returns what the caller then applies, in the training thread, in the generation it ran
@@ -724,7 +714,7 @@ class Membership(NullMembership):
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
-                    f"is at {current['generation']}): leaving without writing", EXIT_GAVE_UP)
+                    f"is at {current['generation']}): leaving without writing", EXIT_DROPPED)
 
     def _dropped_by_file(self, generation: int, me: str, error: RuntimeError) -> Over:
         """Why this process was dropped, as the checkpoint folder's ``GENERATION_FILE`` says it
@@ -739,7 +729,7 @@ class Membership(NullMembership):
         return Over(f"rank {rank} was dropped from the job at generation {generation} "
                     f"({GENERATION_FILE} says the job is at {found['generation']}; the "
                     f"coordination store does not answer): leaving without writing",
-                    EXIT_GAVE_UP)
+                    EXIT_DROPPED)
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:
@@ -782,7 +772,7 @@ class Membership(NullMembership):
             log.error("the rendezvous is in round %d, which does not list this node's torchrun "
                       "agent (pid %d; its keep-alives lapsed): leaving, so that torchrun "
                       "restarts this node into the job", state.round, self.identity.agent)
-            end_process(EXIT_GAVE_UP)
+            end_process(EXIT_DROPPED)
         return state.round, name
 
     def _guard_round(self) -> None:
@@ -838,7 +828,7 @@ class Membership(NullMembership):
                 log.error("the rendezvous moved on to round %d without this node's agent (in "
                           "round %d; its keep-alives lapsed): leaving, so that torchrun "
                           "restarts this node into the job", state.round, self.round)
-                end_process(EXIT_GAVE_UP)
+                end_process(EXIT_DROPPED)
             if renewed is not None:
                 log.warning("%d of this job's torchrun agents had sent no keep-alive for up to "
                             "%.1f s (the rendezvous drops one at %.0f s, and it sends none once "

@@ -33,12 +33,21 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_mnist import distributed
 from elastic_mnist.batchnorm import GlobalBatchNormStats
-from elastic_mnist.checkpoint import CheckpointError, NullCheckpointer, snapshot
+from elastic_mnist.checkpoint import NullCheckpointer, snapshot
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder, epoch_number, share
 from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import (
+    EXIT_CANNOT_SAVE,
+    EXIT_DIVERGED,
+    CannotRecover,
+    CheckpointError,
+    PeerFailure,
+    PeerStopped,
+    TrainingDiverged,
+)
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.fast_path import (
     adamw_kernels,
@@ -48,13 +57,7 @@ from elastic_mnist.fast_path import (
 )
 from elastic_mnist.faults import Faults
 from elastic_mnist.fence import NO_FENCE, NullFence
-from elastic_mnist.membership import (
-    CannotRecover,
-    Change,
-    NullMembership,
-    PeerFailure,
-    Position,
-)
+from elastic_mnist.membership import Change, NullMembership, Position
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.preemption import StopRequest
@@ -107,18 +110,6 @@ class StepResult:
     """Rank 0 could not write a checkpoint: every rank stops."""
     leavers: list[int] = field(default_factory=list)
     """Ranks that asked to stop while the others go on without them, from the next step."""
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many steps in a row with non-finite loss or gradients: said in one line."""
-
-
-class PeerStopped(Exception):
-    """Another rank reported why the job stops; this one leaves with the same exit code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class GradCheck:
@@ -621,14 +612,14 @@ class Trainer:
                    f"no checkpoint was written after them (--max-nonfinite-steps {limit}): "
                    f"lower --lr, or check the data")
         if not self.env.is_main:  # rank 0 says it, once
-            raise PeerStopped(message, exit_code=2)
+            raise PeerStopped(message, exit_code=EXIT_DIVERGED)
         self.metrics.flush()
         raise TrainingDiverged(message)
 
     def stop_after_checkpoint_failure(self) -> None:
         """Rank 0 could not save: it says why (the writer's error), every rank stops."""
         self.checkpointer.wait()  # raises the writer's error on rank 0
-        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=2)
+        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=EXIT_CANNOT_SAVE)
 
     def global_batch(self) -> torch.Tensor:
         """The next step's sample indices, on the data's device."""

@@ -26,16 +26,15 @@ from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
+from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
 from elastic_mnist.fence import Fence, FenceClosed, Over
 from elastic_mnist.lease import JobIdentity, LeaseKeeper, read_lease
 from elastic_mnist.membership import (
-    EXIT_GAVE_UP,
     PULSE_S,
     Fault,
     Identity,
     Membership,
-    PeerFailure,
     Pulses,
     arrive_at_exit_barrier,
     close_membership,
@@ -227,7 +226,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
         member.on_fallback = written.append
     mine.phase, mine.failure = "creating the new group", "creating the new group: no pulse"
     mine._give_up()
-    assert left == [membership.EXIT_GAVE_UP]
+    assert left == [EXIT_GAVE_UP]
     assert written[0]["phase"] == "creating the new group"
     assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
                                            "round failed creating the new group: no pulse")
@@ -257,7 +256,7 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     assert survivor.dropped() is None  # on its way to generation 1
     assert other.dropped() == (None if why == "left" else Over(
         "rank 2 was dropped from the job at generation 0 (the job is at 1): leaving without "
-        "writing", EXIT_GAVE_UP))
+        "writing", EXIT_DROPPED))
     survivor.generation = 2
     survivor._publish_current([first])
     survivor.generation = 1
@@ -301,7 +300,7 @@ def test_the_fence_fails_closed_for_a_dropped_rank_when_the_coordination_store_d
         events.emit("checkpoint", 2)
     member.close()
     events.close()
-    assert [o.status for o in over] == [EXIT_GAVE_UP, EXIT_GAVE_UP]
+    assert [o.status for o in over] == [EXIT_DROPPED, EXIT_DROPPED]
     assert over[0].line == ("rank 0 was dropped from the job at generation 0 (generation.json "
                             "says the job is at 1; the coordination store does not answer): "
                             "leaving without writing")
@@ -447,7 +446,7 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         deadline = time.monotonic() + 10
         while not left and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert left[0] == membership.EXIT_GAVE_UP
+        assert left[0] == EXIT_DROPPED
         assert "the rendezvous moved on to round 4 without this node's agent" in caplog.text
     finally:
         member.close()
@@ -519,7 +518,7 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
     with pytest.raises(SystemExit) as left:
         Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/y", store.clone()),
                    generation=0, pg_timeout_s=10, bound_s=60)
-    assert left.value.code == membership.EXIT_GAVE_UP
+    assert left.value.code == EXIT_DROPPED
     assert "the rendezvous is in round 1, which does not list this node's torchrun agent" in \
         caplog.text
     assert not store.check(["elastic_mnist/job7/y/g0/id/0"])  # nothing written
@@ -924,7 +923,7 @@ LATE_RANK = """import sys
 import torch
 from torch.distributed import PrefixStore, TCPStore
 from elastic_mnist.env import DistEnv
-from elastic_mnist.membership import Membership, PeerFailure
+from elastic_mnist.membership import Membership
 import test_membership
 
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
@@ -1056,7 +1055,7 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
     from elastic_mnist import distributed
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.membership import CannotRecover
+    from elastic_mnist.errors import CannotRecover
     from elastic_mnist.trainer import Trainer
 
     cfg = TrainConfig()

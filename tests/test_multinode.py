@@ -23,6 +23,7 @@ from launch import REPO, clean_env, cli_cmd, free_port, kill_tree, run, torchrun
 from shared_runs import inspect, newest
 from test_dashboards import accumulate
 
+from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
 from elastic_mnist.faults import FAULT_VAR
 from elastic_mnist.membership import arrive_at_exit_barrier, rendezvous_round
@@ -334,7 +335,7 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
     admitted by the lease: one job). Rank 0 freezes (SIGSTOP) as its writer is about to commit
     step 3's checkpoint; rank 1 names it after --hang-timeout and goes on alone, as rank 0, in
     its own process, to the end. Woken (SIGCONT), the old rank 0 leaves with one line and the
-    gave-up status, and nothing of it reaches the folders: not its queued checkpoint, nor
+    dropped status, and nothing of it reaches the folders: not its queued checkpoint, nor
     `latest`, nor a record of the generation that is over, nor TensorBoard, nor the lease."""
     from shared_runs import args_for
 
@@ -360,7 +361,7 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
         for agent in agents:
             kill_tree(agent.pid)
     woken = (tmp_path / "agent0.log").read_text()[frozen_at:]
-    assert "exitcode  : 124" in woken, woken  # torchrun's summary of it
+    assert f"exitcode  : {EXIT_DROPPED}" in woken, woken  # torchrun's summary of it
     said = [line for line in woken.splitlines() if "[rank 0]" in line]
     assert len(said) == 1, woken
     assert "ERROR rank 0 was dropped from the job at generation 0 (the job is at 1): leaving " \
