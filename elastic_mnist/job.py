@@ -44,16 +44,16 @@ from elastic_mnist.errors import (
     PeerStopped,
 )
 from elastic_mnist.events import EventLog
-from elastic_mnist.faults import Faults
-from elastic_mnist.fence import Fence, NullFence
-from elastic_mnist.lease import LeaseHold
 from elastic_mnist.logs import add_file_handler, setup_logging
-from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.metrics import TensorBoardMetrics, flat_hparams
-from elastic_mnist.preemption import StopRequest, stop_on_signals
 from elastic_mnist.progress import progress_display
+from elastic_mnist.resilience.faults import Faults
+from elastic_mnist.resilience.fence import Fence, NullFence
+from elastic_mnist.resilience.lease import LeaseHold
+from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
+from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
+from elastic_mnist.resilience.watchdog import Watchdog
 from elastic_mnist.trainer import AuditLog, Trainer
-from elastic_mnist.watchdog import Watchdog
 
 log = logging.getLogger(__name__)
 

@@ -55,16 +55,16 @@ from elastic_mnist.fast_path import (
     micro_batches_per_rank,
     set_float32_math,
 )
-from elastic_mnist.faults import Faults
-from elastic_mnist.fence import NO_FENCE, NullFence
-from elastic_mnist.membership import Change, NullMembership, Position
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.model import build_model, state_digest
-from elastic_mnist.preemption import StopRequest
 from elastic_mnist.progress import LogLines
 from elastic_mnist.render import prediction_grid
+from elastic_mnist.resilience.faults import Faults
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence
+from elastic_mnist.resilience.membership import Change, NullMembership, Position
+from elastic_mnist.resilience.preemption import StopRequest
+from elastic_mnist.resilience.watchdog import NullWatchdog
 from elastic_mnist.rng import restore_rng_state, rng_state
-from elastic_mnist.watchdog import NullWatchdog
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from elastic_mnist.errors import (
     report_user_error,
 )
 from elastic_mnist.job import check_recovery, run_training
-from elastic_mnist.lease import checkpoint_folder_lease
 from elastic_mnist.logs import setup_logging
+from elastic_mnist.resilience.lease import checkpoint_folder_lease
 
 log = logging.getLogger(__name__)
 

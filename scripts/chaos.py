@@ -59,7 +59,7 @@ import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
 from elastic_mnist.events import event_time
-from elastic_mnist.faults import FAULT_VAR
+from elastic_mnist.resilience.faults import FAULT_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")

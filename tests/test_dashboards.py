@@ -180,9 +180,9 @@ def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch
     TensorBoard's folder, by any path: scalars, images, text, hparams, the layout, a flush, its
     close; and no thread of the writer's own writes behind the fence's back (SummaryWriter's
     flushes from one): what passed the fence is in the file at once, nothing is held back."""
-    from elastic_mnist import fence
-    from elastic_mnist.fence import Fence, FenceClosed, Over
     from elastic_mnist.metrics import TensorBoardMetrics
+    from elastic_mnist.resilience import fence
+    from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 
     monkeypatch.setattr(fence, "RECENT_S", 0.0)  # every write asks: none reuses a verdict
     verdict: list[Over | None] = [None]

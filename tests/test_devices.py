@@ -28,8 +28,8 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import ConfigError, EnvError
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.job import check_recovery
-from elastic_mnist.membership import Change
 from elastic_mnist.model import build_model
+from elastic_mnist.resilience.membership import Change
 from elastic_mnist.trainer import Trainer
 
 

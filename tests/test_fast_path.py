@@ -38,8 +38,8 @@ from elastic_mnist.fast_path import (
 )
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
+from elastic_mnist.resilience.watchdog import NullWatchdog
 from elastic_mnist.trainer import Trainer, evaluate
-from elastic_mnist.watchdog import NullWatchdog
 
 cuda = pytest.mark.cuda
 

@@ -21,11 +21,11 @@ import torch
 from launch import REPO, clean_env, cli_cmd, run, start, torchrun_cmd
 from shared_runs import args_for, inspect, wait_until, workers
 
-from elastic_mnist import watchdog
 from elastic_mnist.checkpoint import Checkpointer, newest_committed_step, nonfinite_entries
 from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, CheckpointWriteError, EnvError
 from elastic_mnist.events import read_events
-from elastic_mnist.faults import FAULT_VAR, Fault, Faults, parse
+from elastic_mnist.resilience import watchdog
+from elastic_mnist.resilience.faults import FAULT_VAR, Fault, Faults, parse
 
 sys.path.insert(0, str(REPO / "scripts"))
 from check_audit import load_records

@@ -28,9 +28,9 @@ from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
-from elastic_mnist.fence import Fence, FenceClosed, Over
-from elastic_mnist.lease import JobIdentity, LeaseKeeper, read_lease
-from elastic_mnist.membership import (
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+from elastic_mnist.resilience.lease import JobIdentity, LeaseKeeper, read_lease
+from elastic_mnist.resilience.membership import (
     PULSE_S,
     Fault,
     Identity,
@@ -216,7 +216,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     """A recovery that cannot complete a step within its bound leaves (torchrun restarts the job)
     with one line and one ``fallback`` record naming the phase that failed and why; a rank the
     others went on without says so the same way."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     left: list[int] = []
     monkeypatch.setattr(membership, "end_process", left.append)
@@ -349,7 +349,7 @@ def test_a_rank_still_in_the_job_commits_when_the_coordination_store_does_not_an
     assert over == []
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
-    said = [r.getMessage() for r in caplog.records if r.name == "elastic_mnist.fence"]
+    said = [r.getMessage() for r in caplog.records if r.name == "elastic_mnist.resilience.fence"]
     assert len(said) == 1 and said[0].startswith(
         "rank 0 cannot tell whether it is still one of the job's ranks: the coordination store "
         "does not answer (") and said[0].endswith("; writing on")
@@ -405,7 +405,7 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     backend = C10dRendezvousBackend(store, "job7")
     state = _RendezvousState()
@@ -480,7 +480,7 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
     import subprocess
     import sys
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     monkeypatch.setattr(os, "getppid", os.getpid)  # the handler below is this process's agent
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store of its own to serve
@@ -529,8 +529,8 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
 ORPHAN = """import os, sys, time
 import torch
 from torch.distributed import PrefixStore, TCPStore
-from elastic_mnist import membership
 from elastic_mnist.env import DistEnv, rendezvous_of
+from elastic_mnist.resilience import membership
 
 membership.ROUND_CHECK_S = 0.05
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
@@ -560,7 +560,7 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
     worker = shlex.join([sys.executable, "-c", ORPHAN, str(store.port)])
@@ -702,7 +702,7 @@ def test_an_agent_whose_keep_alive_lapsed_in_a_stalled_store_is_renewed_back(tmp
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from elastic_mnist.membership import RendezvousReader
+    from elastic_mnist.resilience.membership import RendezvousReader
 
     serve = ("import time; from torch.distributed import TCPStore; "
              "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
@@ -813,8 +813,8 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.membership import Change
-    from elastic_mnist.preemption import StopRequest
+    from elastic_mnist.resilience.membership import Change
+    from elastic_mnist.resilience.preemption import StopRequest
     from elastic_mnist.trainer import Trainer
 
     cfg = TrainConfig()
@@ -880,7 +880,7 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
 
 
 def a_change(rank: int, world_size: int, generation: int):
-    from elastic_mnist.membership import Change
+    from elastic_mnist.resilience.membership import Change
 
     return Change(env=DistEnv(rank=rank, world_size=world_size, launched=True),
                   generation=generation, old_world_size=2, lost=[], why="died", step=3,
@@ -923,7 +923,7 @@ LATE_RANK = """import sys
 import torch
 from torch.distributed import PrefixStore, TCPStore
 from elastic_mnist.env import DistEnv
-from elastic_mnist.membership import Membership
+from elastic_mnist.resilience.membership import Membership
 import test_membership
 
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
@@ -1089,8 +1089,8 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
     """The survivors' group is handed to torch through a backend name of its own, which becomes
     the default group's: a later ``new_group()`` without a backend builds a real one under that
     name; and an install that fails keeps no connected backend for a later group to take."""
-    from elastic_mnist import membership
-    from elastic_mnist.membership import connect_group, install_group
+    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience.membership import connect_group, install_group
 
     cpu, store = torch.device("cpu"), torch.distributed.HashStore()
     with no_group_left():
@@ -1111,7 +1111,7 @@ def test_an_nccl_group_is_installed_without_connecting_again(monkeypatch):
     """On NCCL the backend is connected as it is built (in the recovery's thread): torch would
     connect it again if ``init_process_group`` were given the device; the group is bound to it
     afterwards instead. (A gloo backend stands in for NCCL's here.)"""
-    from elastic_mnist.membership import connect_group, install_group
+    from elastic_mnist.resilience.membership import connect_group, install_group
 
     cpu, cuda, store = torch.device("cpu"), torch.device("cuda", 0), torch.distributed.HashStore()
     init, given = torch.distributed.init_process_group, []
@@ -1131,7 +1131,7 @@ def test_a_late_watcher_never_aborts_the_next_generations_nccl_group(members, mo
     """NCCL's abort of the default group is decided under the lock the generation moves on
     under: a watcher of generation 0 that gets there only once this rank is in generation 1
     (and installed its group) aborts nothing; one in time aborts its own generation's group."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     mine = members(0, 1)
     aborted, late = [], [False]
@@ -1157,7 +1157,7 @@ def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeyp
     """gloo is done with the store once its group is connected, and gives its connection back
     to the spares; NCCL's later communicators meet on it, so an NCCL group keeps it (the
     spares are refilled once the change is over)."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     mine = members(0, 1)
     built: list[str] = []

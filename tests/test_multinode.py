@@ -25,8 +25,8 @@ from test_dashboards import accumulate
 
 from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
-from elastic_mnist.faults import FAULT_VAR
-from elastic_mnist.membership import arrive_at_exit_barrier, rendezvous_round
+from elastic_mnist.resilience.faults import FAULT_VAR
+from elastic_mnist.resilience.membership import arrive_at_exit_barrier, rendezvous_round
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
@@ -119,7 +119,7 @@ def test_nodes_lost_in_every_phase_of_the_recovery_cost_seconds_in_process(tmp_p
 
     The survivor goes on in its own process within seconds, one ``shrink`` record naming every
     rank lost, 5 -> 1, no fallback."""
-    from elastic_mnist.faults import BUSY_S
+    from elastic_mnist.resilience.faults import BUSY_S
 
     monkeypatch.setenv(FAULT_VAR, "die@8:4,busy@8:3,die-agreeing@8:2,freeze-recovering@8:1,"
                                   "freeze-adopting@8:0")

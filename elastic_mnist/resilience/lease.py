@@ -74,7 +74,7 @@ from elastic_mnist.errors import (
     FolderInUse,
     PeerStopped,
 )
-from elastic_mnist.fence import NO_FENCE, NullFence, Over, leave
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence, Over, leave
 
 log = logging.getLogger(__name__)
 

@@ -79,8 +79,8 @@ import torch.distributed as dist
 from elastic_mnist.distributed import backend_for, end_process
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, CannotRecover, CannotTell, PeerFailure
-from elastic_mnist.fence import Over
 from elastic_mnist.fsutil import atomic_write_bytes
+from elastic_mnist.resilience.fence import Over
 
 log = logging.getLogger(__name__)
 
