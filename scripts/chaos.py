@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     if guarded:
         summary.append(f"The rendezvous dropped agents whose keep-alives lapsed and moved on "
                        f"without them: {guarded} ranks saw it and left, to be restarted into the "
-                       "new round (`Membership._guard_round`).")
+                       "new round (`TorchrunAgents.guard`).")
     print("\n".join(summary))
     if args.readme_section and not failures:
         markers.rewrite(args.readme_section, "\n\n".join(summary))

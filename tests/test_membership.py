@@ -36,12 +36,11 @@ from elastic_mnist.resilience.membership import (
     Identity,
     Membership,
     Pulses,
-    arrive_at_exit_barrier,
     close_membership,
     pulse_key,
-    rendezvous_round,
     successor_env,
 )
+from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 from elastic_mnist.trainer import StepFlags
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -405,7 +404,7 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience import torchrun_agents
 
     backend = C10dRendezvousBackend(store, "job7")
     state = _RendezvousState()
@@ -422,8 +421,8 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
     launch.set("g0/id/1", json.dumps(dataclasses.asdict(
         Identity("n2", 99, 4242, 0, agent_addr="n2.example"))))
     left: list[int] = []
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
-    monkeypatch.setattr(membership, "end_process", left.append)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "end_process", left.append)
     env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
         ["torchrun", "--nnodes=1:4", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400",
          "--rdzv_id=job7", "-m", "elastic_mnist", "train"]))
@@ -480,16 +479,16 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
     import subprocess
     import sys
 
-    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience import torchrun_agents
 
     monkeypatch.setattr(os, "getppid", os.getpid)  # the handler below is this process's agent
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store of its own to serve
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
 
     def leave(code: int):
         raise SystemExit(code)
 
-    monkeypatch.setattr(membership, "end_process", leave)
+    monkeypatch.setattr(torchrun_agents, "end_process", leave)
     agent = c10d_handler(store.port, "job7", local_addr="agent-a.example",
                          last_call_timeout="1", keep_alive_interval="60")  # never renews
     assert agent.next_rendezvous().rank == 0
@@ -497,7 +496,7 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
         ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
          f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
          "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
-    reader = membership.RendezvousReader(store, "job7")
+    reader = torchrun_agents.RendezvousReader(store, "job7")
     (joined_at,) = reader.read()[0].last_heartbeats.values()
     member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
                                                               store.clone()),
@@ -530,9 +529,9 @@ ORPHAN = """import os, sys, time
 import torch
 from torch.distributed import PrefixStore, TCPStore
 from elastic_mnist.env import DistEnv, rendezvous_of
-from elastic_mnist.resilience import membership
+from elastic_mnist.resilience import membership, torchrun_agents
 
-membership.ROUND_CHECK_S = 0.05
+torchrun_agents.ROUND_CHECK_S = 0.05
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 store.wait(["go"])
 env = DistEnv(rank=1, world_size=2, group_rank=1, launched=True, rendezvous=rendezvous_of(
@@ -560,9 +559,9 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience import torchrun_agents
 
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
     worker = shlex.join([sys.executable, "-c", ORPHAN, str(store.port)])
     agent = subprocess.Popen(["bash", "-c", f"{worker} & wait"], stdout=subprocess.PIPE,
                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -702,7 +701,7 @@ def test_an_agent_whose_keep_alive_lapsed_in_a_stalled_store_is_renewed_back(tmp
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from elastic_mnist.resilience.membership import RendezvousReader
+    from elastic_mnist.resilience.torchrun_agents import RendezvousReader
 
     serve = ("import time; from torch.distributed import TCPStore; "
              "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
@@ -1089,8 +1088,8 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
     """The survivors' group is handed to torch through a backend name of its own, which becomes
     the default group's: a later ``new_group()`` without a backend builds a real one under that
     name; and an install that fails keeps no connected backend for a later group to take."""
-    from elastic_mnist.resilience import membership
-    from elastic_mnist.resilience.membership import connect_group, install_group
+    from elastic_mnist.resilience import survivors_group
+    from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
     cpu, store = torch.device("cpu"), torch.distributed.HashStore()
     with no_group_left():
@@ -1104,7 +1103,7 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
         with pytest.raises(ValueError, match="twice"):  # a default group is there already
             install_group(connect_group(cpu, PrefixStore("g2", store), 0, 1, TIMEOUT), cpu,
                           PrefixStore("g2", store), 0, 1, TIMEOUT)
-        assert membership._handed_over == []
+        assert survivors_group._handed_over == []
 
 
 def test_an_nccl_group_is_installed_without_connecting_again(monkeypatch):

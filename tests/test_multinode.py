@@ -26,7 +26,7 @@ from test_dashboards import accumulate
 from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
 from elastic_mnist.resilience.faults import FAULT_VAR
-from elastic_mnist.resilience.membership import arrive_at_exit_barrier, rendezvous_round
+from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
