@@ -32,7 +32,8 @@ import time
 
 from torch.distributed import TCPStore
 
-from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EnvError
 from elastic_mnist.stores import serve_store
 
 log = logging.getLogger(__name__)

@@ -6,8 +6,8 @@ On disk, under ``--checkpoint-dir``::
     step-00000120.json   its manifest, written after the payload: the commit record
     latest               name of the newest committed checkpoint, moved last
     run.json             the run id and the restart generation of the job using this folder
-    lease.json           which live job uses this folder (elastic_mnist/lease.py)
-    generation.json      the job's current generation, for the fence (elastic_mnist/membership.py)
+    lease.json           which live job uses this folder (elastic_mnist/resilience/lease.py)
+    generation.json      the job's current generation, for the fence (resilience/membership.py)
 
 A payload without a manifest was never committed and is ignored. A payload whose sha256 differs
 from its manifest's is skipped with a warning, and the one before it is used.
@@ -35,26 +35,15 @@ from typing import Any
 import torch
 
 from elastic_mnist.data.order import epoch_number
-from elastic_mnist.fence import NO_FENCE, NullFence
+from elastic_mnist.errors import CheckpointError, CheckpointWriteError, InvalidCheckpoint
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 POINTER = "latest"
 RUN_FILE = "run.json"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that must not be loaded: unsafe, or from another model or config."""
-
-
-class CheckpointWriteError(CheckpointError):
-    """The checkpoint folder cannot take a checkpoint: full, read-only, or not permitted."""
-
-
-class InvalidCheckpoint(Exception):
-    """A checkpoint that is corrupt, truncated or half-written; the previous one is used instead."""
 
 
 @dataclass(frozen=True)

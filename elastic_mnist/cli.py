@@ -11,11 +11,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from elastic_mnist import rendezvous
-from elastic_mnist.config import ConfigError, add_train_arguments, train_config_from_args
-from elastic_mnist.data.idx import DataError
-from elastic_mnist.env import DistEnv, EnvError
-from elastic_mnist.errors import EXIT_USAGE, USER_ERRORS, report_user_error
-from elastic_mnist.preemption import EXIT_INTERRUPTED
+from elastic_mnist.config import add_train_arguments, train_config_from_args
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import (
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    USER_ERRORS,
+    CheckpointError,
+    ConfigError,
+    DataError,
+    EnvError,
+    InvalidCheckpoint,
+    report_user_error,
+)
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -87,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         status = command(args)
         sys.stdout.flush()  # a reader that went away (| head) shows here, not at exit
         return status
-    except USER_ERRORS + (_checkpoint_error(),) as e:
+    except USER_ERRORS + (CheckpointError,) as e:
         return report_user_error(args.command, e)
     except BrokenPipeError:  # the reader has what it wanted: a normal end
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -108,11 +116,6 @@ def report_interrupt(command: str) -> int:
         sys.stderr.flush()
     return 0 if env.launched else EXIT_INTERRUPTED
 
-
-def _checkpoint_error() -> type[Exception]:
-    from elastic_mnist.checkpoint import CheckpointError  # torch is imported only when needed
-
-    return CheckpointError
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -162,8 +165,6 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from elastic_mnist.checkpoint import (
         POINTER,
-        CheckpointError,
-        InvalidCheckpoint,
         Manifest,
         deserialize,
         list_manifests,

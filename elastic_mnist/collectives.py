@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EnvError
 
 log = logging.getLogger(__name__)
 

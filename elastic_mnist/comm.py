@@ -17,8 +17,9 @@ import torch.distributed as dist
 
 from elastic_mnist import distributed
 from elastic_mnist.env import DistEnv
-from elastic_mnist.membership import NullMembership, PeerFailure
-from elastic_mnist.watchdog import NullWatchdog
+from elastic_mnist.errors import PeerFailure
+from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.resilience.watchdog import NullWatchdog
 
 
 def require_group() -> None:

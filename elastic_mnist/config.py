@@ -17,9 +17,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-
-class ConfigError(ValueError):
-    """A flag's value is out of range or contradicts another flag."""
+from elastic_mnist.errors import ConfigError
 
 
 @dataclass

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist.attempt_store import attempt_store
-from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EnvError
 
 log = logging.getLogger(__name__)
 

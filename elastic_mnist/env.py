@@ -10,9 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-
-class EnvError(ValueError):
-    """The torchrun environment is missing a variable or contradicts itself."""
+from elastic_mnist.errors import EnvError
 
 
 @dataclass(frozen=True)

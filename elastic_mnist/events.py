@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from elastic_mnist.fence import NO_FENCE, NullFence
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 
 
 def utc_now() -> str:

@@ -21,7 +21,6 @@ import torch.distributed as dist
 from elastic_mnist import distributed
 from elastic_mnist.checkpoint import (
     Checkpointer,
-    CheckpointWriteError,
     Manifest,
     NullCheckpointer,
     check_writable,
@@ -30,10 +29,9 @@ from elastic_mnist.checkpoint import (
     read_run_file,
     write_run_file,
 )
-from elastic_mnist.config import ConfigError, TrainConfig
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import (
     SYNTHETIC_WARNING,
-    DataError,
     Dataset,
     dataset_root,
     load,
@@ -43,18 +41,27 @@ from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
+from elastic_mnist.errors import (
+    EXIT_CANNOT_SAVE,
+    EXIT_INTERRUPTED,
+    EXIT_PREEMPTED,
+    CheckpointWriteError,
+    ConfigError,
+    DataError,
+    PeerStopped,
+)
 from elastic_mnist.events import EventLog, NullEventLog
-from elastic_mnist.faults import Faults
-from elastic_mnist.fence import Fence, NullFence
-from elastic_mnist.lease import LeaseHold
 from elastic_mnist.logs import add_file_handler, setup_logging
-from elastic_mnist.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.metrics import NullMetrics, TensorBoardMetrics, flat_hparams
-from elastic_mnist.preemption import EXIT_INTERRUPTED, EXIT_PREEMPTED, StopRequest, stop_on_signals
 from elastic_mnist.progress import progress_display
 from elastic_mnist.report import AuditLog
-from elastic_mnist.trainer import PeerStopped, Trainer, planned_steps
-from elastic_mnist.watchdog import NullWatchdog, Watchdog
+from elastic_mnist.resilience.faults import Faults
+from elastic_mnist.resilience.fence import Fence, NullFence
+from elastic_mnist.resilience.lease import LeaseHold
+from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
+from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
+from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
+from elastic_mnist.trainer import Trainer, planned_steps
 from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
@@ -396,7 +403,8 @@ def check_checkpoint_folder(checkpoint_dir: Path, env: DistEnv, device: torch.de
     if not distributed.all_agree(error is None, device):
         if error is not None:
             raise error
-        raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
+        raise PeerStopped("another node cannot write the checkpoint folder",
+                          exit_code=EXIT_CANNOT_SAVE)
 
 
 def resolve_run_identity(cfg: TrainConfig, env: DistEnv, device: torch.device) -> tuple[str, int]:

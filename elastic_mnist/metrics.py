@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.fsutil import atomic_write_bytes
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 
 LAYOUT_SUFFIX = ".layout"
 """The end of the name of the event file that holds a run folder's custom scalars layout."""

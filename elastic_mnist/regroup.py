@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from elastic_mnist import distributed
 from elastic_mnist.checkpoint import snapshot
+from elastic_mnist.errors import CannotRecover, PeerFailure
 from elastic_mnist.events import utc_time
-from elastic_mnist.membership import CannotRecover, Change, PeerFailure, Position
 from elastic_mnist.model import state_digest
+from elastic_mnist.resilience.membership import Change, Position
 
 log = logging.getLogger("elastic_mnist.trainer")  # the loop's lines, under the loop's name
 

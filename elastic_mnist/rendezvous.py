@@ -18,16 +18,14 @@ import signal
 import threading
 from datetime import timedelta
 
+from elastic_mnist.errors import RendezvousError
+
 log = logging.getLogger(__name__)
 
 DEFAULT_PORT = 29400  # torchrun's default c10d rendezvous port
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 # The store's own client connects to HOST:PORT once at start; a wrong HOST fails within this.
 CONNECT_TIMEOUT = timedelta(seconds=30)
-
-
-class RendezvousError(Exception):
-    """The store cannot be served; the message is one line for the user."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

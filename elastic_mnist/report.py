@@ -20,8 +20,8 @@ from torch import nn
 from elastic_mnist.comm import PlainComm
 from elastic_mnist.data.datasets import Digits
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import NO_FENCE, NullFence
 from elastic_mnist.render import prediction_grid
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 
 if TYPE_CHECKING:
     from elastic_mnist.trainer import StepResult

@@ -13,11 +13,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from elastic_mnist.checkpoint import CheckpointError
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import epoch_number
+from elastic_mnist.errors import CheckpointError
 from elastic_mnist.rng import restore_rng_state, rng_state
 
 # Config fields that fix which samples each step sees: a checkpoint written under other values

@@ -33,11 +33,12 @@ from elastic_mnist.data.datasets import Dataset
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.engine import Engine
 from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, PeerStopped, TrainingDiverged
 from elastic_mnist.fast_path import adamw_kernels
-from elastic_mnist.membership import Change, NullMembership
-from elastic_mnist.preemption import StopRequest
 from elastic_mnist.regroup import LeavePolicy, Regroup
 from elastic_mnist.report import Reporting, _Window
+from elastic_mnist.resilience.membership import Change, NullMembership
+from elastic_mnist.resilience.preemption import StopRequest
 from elastic_mnist.state import Progress
 from elastic_mnist.writers import Writers
 
@@ -60,18 +61,6 @@ class StepResult:
     leavers: list[int] = field(default_factory=list)
     """Ranks that asked to stop while the others go on without them, from the next step."""
 
-
-
-class TrainingDiverged(RuntimeError):
-    """Too many steps in a row with non-finite loss or gradients: said in one line."""
-
-
-class PeerStopped(Exception):
-    """Another rank reported why the job stops; this one leaves with the same exit code."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class StepFlags:
@@ -372,11 +361,11 @@ class Trainer(Regroup, Reporting):
                    f"no checkpoint was written after them (--max-nonfinite-steps {limit}): "
                    f"lower --lr, or check the data")
         if not self.env.is_main:  # rank 0 says it, once
-            raise PeerStopped(message, exit_code=2)
+            raise PeerStopped(message, exit_code=EXIT_DIVERGED)
         self.writers.metrics.flush()
         raise TrainingDiverged(message)
 
     def stop_after_checkpoint_failure(self) -> None:
         """Rank 0 could not save: it says why (the writer's error), every rank stops."""
         self.writers.checkpointer.wait()  # raises the writer's error on rank 0
-        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=2)
+        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=EXIT_CANNOT_SAVE)

@@ -6,16 +6,22 @@ import logging
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from elastic_mnist.checkpoint import CheckpointError
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.distributed import process_group, resolve_device
 from elastic_mnist.env import DistEnv
-from elastic_mnist.errors import USER_ERRORS, report_user_error
+from elastic_mnist.errors import (
+    EXIT_GAVE_UP,
+    USER_ERRORS,
+    CannotRecover,
+    CheckpointError,
+    FolderInUse,
+    PeerStopped,
+    TrainingDiverged,
+    report_user_error,
+)
 from elastic_mnist.job import check_recovery, run_training
-from elastic_mnist.lease import FolderInUse, checkpoint_folder_lease
 from elastic_mnist.logs import setup_logging
-from elastic_mnist.membership import EXIT_GAVE_UP, CannotRecover
-from elastic_mnist.trainer import PeerStopped, TrainingDiverged
+from elastic_mnist.resilience.lease import checkpoint_folder_lease
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +30,8 @@ log = logging.getLogger(__name__)
 def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     """Sets up logging, the device and the process group; trains; always tears down.
 
-    Bad input (data, checkpoints, environment) ends the worker with one line and exit code 2;
-    only real failures reach ``@record``, whose traceback torchrun prints in its summary.
+    Bad input (data, checkpoints, environment) ends the worker with one line and its exit code
+    (errors.py: EXIT_USAGE, or the error's own); only real failures reach ``@record``, whose traceback torchrun prints in its summary.
     """
     setup_logging(env)
     try:

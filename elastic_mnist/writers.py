@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from elastic_mnist.checkpoint import NullCheckpointer
 from elastic_mnist.events import NullEventLog
-from elastic_mnist.faults import Faults
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.progress import LogLines
 from elastic_mnist.report import AuditLog
-from elastic_mnist.watchdog import NullWatchdog
+from elastic_mnist.resilience.faults import Faults
+from elastic_mnist.resilience.watchdog import NullWatchdog
 
 
 @dataclass

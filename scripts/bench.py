@@ -1094,7 +1094,7 @@ def benchmark(args: argparse.Namespace, argv: list[str]) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    from elastic_mnist.data.idx import DataError
+    from elastic_mnist.errors import DataError
 
     sizes = QUICK if args.quick else FULL
     if args.reps:

@@ -59,7 +59,7 @@ import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
 from elastic_mnist.events import event_time
-from elastic_mnist.faults import FAULT_VAR
+from elastic_mnist.resilience.faults import FAULT_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")
@@ -627,7 +627,7 @@ def main(argv: list[str] | None = None) -> int:
     if guarded:
         summary.append(f"The rendezvous dropped agents whose keep-alives lapsed and moved on "
                        f"without them: {guarded} ranks saw it and left, to be restarted into the "
-                       "new round (`Membership._guard_round`).")
+                       "new round (`TorchrunAgents.guard`).")
     print("\n".join(summary))
     if args.readme_section and not failures:
         markers.rewrite(args.readme_section, "\n\n".join(summary))

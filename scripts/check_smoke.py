@@ -18,13 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from elastic_mnist.checkpoint import (
-    CheckpointError,
-    InvalidCheckpoint,
-    deserialize,
-    list_manifests,
-    read_verified,
-)
+from elastic_mnist.checkpoint import deserialize, list_manifests, read_verified
+from elastic_mnist.errors import CheckpointError, InvalidCheckpoint
 from elastic_mnist.events import read_events
 
 

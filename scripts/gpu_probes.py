@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_probes: --data-dir {args.data_dir} is not a folder", file=sys.stderr)
         return 2
     from elastic_mnist.distributed import process_group, resolve_device
-    from elastic_mnist.env import DistEnv, EnvError
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.errors import EnvError
 
     run, grouped = PROBES[args.probe]
     try:

@@ -11,16 +11,16 @@ from shared_runs import command_json
 from elastic_mnist.checkpoint import (
     RUN_FILE,
     Checkpointer,
-    CheckpointError,
     deserialize,
     list_manifests,
     newest_committed_step,
     newest_valid,
     write_checkpoint,
 )
-from elastic_mnist.fence import Fence, FenceClosed, Over
-from elastic_mnist.membership import GENERATION_FILE
+from elastic_mnist.errors import EXIT_DROPPED, CheckpointError
 from elastic_mnist.model import build_model, state_digest
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+from elastic_mnist.resilience.membership import GENERATION_FILE
 
 
 def payload(step: int, seed: int = 0) -> dict:
@@ -73,7 +73,7 @@ def test_a_process_dropped_after_its_commit_prunes_nothing(tmp_path):
 
     def dropped_once_committed() -> Over | None:
         committed = (tmp_path / "latest").read_text() == "step-00000002\n"
-        return Over("rank 0 was dropped", 124) if committed else None
+        return Over("rank 0 was dropped", EXIT_DROPPED) if committed else None
 
     with pytest.raises(FenceClosed):
         write_checkpoint(tmp_path, payload(2), restart_generation=0, keep_last=1,

@@ -4,7 +4,8 @@ import pytest
 from launch import cli_cmd, run
 
 from elastic_mnist.cli import build_parser, main
-from elastic_mnist.config import ConfigError, TrainConfig, field_docs, train_config_from_args
+from elastic_mnist.config import TrainConfig, field_docs, train_config_from_args
+from elastic_mnist.errors import ConfigError
 
 CONTRACT_FLAGS = ["--data-dir", "--dataset", "--no-download", "--epochs", "--max-steps",
                   "--global-batch-size", "--lr", "--seed", "--checkpoint-dir", "--logdir",

@@ -18,6 +18,7 @@ from launch import REPO, clean_env, free_port, kill_tree
 from PIL import Image
 
 from elastic_mnist.cli import main
+from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
 from elastic_mnist.job import DASHBOARD, is_generated_id
 
@@ -179,9 +180,9 @@ def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch
     TensorBoard's folder, by any path: scalars, images, text, hparams, the layout, a flush, its
     close; and no thread of the writer's own writes behind the fence's back (SummaryWriter's
     flushes from one): what passed the fence is in the file at once, nothing is held back."""
-    from elastic_mnist import fence
-    from elastic_mnist.fence import Fence, FenceClosed, Over
     from elastic_mnist.metrics import TensorBoardMetrics
+    from elastic_mnist.resilience import fence
+    from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 
     monkeypatch.setattr(fence, "RECENT_S", 0.0)  # every write asks: none reuses a verdict
     verdict: list[Over | None] = [None]
@@ -194,7 +195,7 @@ def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch
     metrics.text("launch", "hello", 1)
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     assert accumulate(tmp_path).Scalars("train/loss")[0].value == 2.0  # no flush needed
-    verdict[0] = Over("rank 0 was dropped", 124)
+    verdict[0] = Over("rank 0 was dropped", EXIT_DROPPED)
     writes = [lambda: metrics.scalars(2, {"train/loss": 1.0}),
               lambda: metrics.image("test/predictions", torch.zeros(4, 4, 3), 2),
               lambda: metrics.text("launch", "again", 2),

@@ -12,7 +12,8 @@ from elastic_mnist.data.datasets import (
     raw_dir,
     write_synthetic,
 )
-from elastic_mnist.data.idx import IMAGES_MAGIC, DataError, read_idx, write_idx
+from elastic_mnist.data.idx import IMAGES_MAGIC, read_idx, write_idx
+from elastic_mnist.errors import DataError
 
 
 def fake_mnist(root, n_train=20, n_test=10, gz=False):

@@ -21,14 +21,15 @@ from elastic_mnist import distributed
 from elastic_mnist import trainer as trainer_module
 from elastic_mnist.checkpoint import deserialize, payload_bytes
 from elastic_mnist.cli import main
-from elastic_mnist.config import ConfigError, TrainConfig
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import load
 from elastic_mnist.distributed import resolve_device
-from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import ConfigError, EnvError
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.job import check_recovery
-from elastic_mnist.membership import Change
 from elastic_mnist.model import build_model
+from elastic_mnist.resilience.membership import Change
 from elastic_mnist.trainer import Trainer
 
 

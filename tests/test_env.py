@@ -1,7 +1,8 @@
 import pytest
 from launch import clean_env, cli_cmd, run
 
-from elastic_mnist.env import DistEnv, EnvError
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EnvError
 
 GOOD = {"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
         "GROUP_RANK": "0", "TORCHELASTIC_RESTART_COUNT": "2", "TORCHELASTIC_RUN_ID": "job7",

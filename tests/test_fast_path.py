@@ -40,8 +40,8 @@ from elastic_mnist.fast_path import (
 from elastic_mnist.job import launch_summary
 from elastic_mnist.model import build_model
 from elastic_mnist.report import evaluate
+from elastic_mnist.resilience.watchdog import NullWatchdog
 from elastic_mnist.trainer import Trainer
-from elastic_mnist.watchdog import NullWatchdog
 from elastic_mnist.writers import Writers
 
 cuda = pytest.mark.cuda

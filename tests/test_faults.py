@@ -21,16 +21,11 @@ import torch
 from launch import REPO, clean_env, cli_cmd, run, start, torchrun_cmd
 from shared_runs import args_for, inspect, wait_until, workers
 
-from elastic_mnist import watchdog
-from elastic_mnist.checkpoint import (
-    Checkpointer,
-    CheckpointWriteError,
-    newest_committed_step,
-    nonfinite_entries,
-)
-from elastic_mnist.env import EnvError
+from elastic_mnist.checkpoint import Checkpointer, newest_committed_step, nonfinite_entries
+from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, CheckpointWriteError, EnvError
 from elastic_mnist.events import read_events
-from elastic_mnist.faults import FAULT_VAR, Fault, Faults, parse
+from elastic_mnist.resilience import watchdog
+from elastic_mnist.resilience.faults import FAULT_VAR, Fault, Faults, parse
 
 sys.path.insert(0, str(REPO / "scripts"))
 from check_audit import load_records
@@ -157,7 +152,7 @@ def test_nonfinite_steps_are_skipped_and_too_many_in_a_row_stop_the_job(tiny_dig
                     "--run-id", "nan")
     poisoned = "nan-grad@3,nan-grad@5,nan-grad@6,nan-grad@7"
     done = run(cli_cmd(*args), env=clean_env(**{FAULT_VAR: poisoned}), timeout=120)
-    assert done.returncode == 2, done.stdout
+    assert done.returncode == EXIT_DIVERGED, done.stdout
     errors = [line for line in done.stdout.splitlines() if "error:" in line]
     expected = ("elastic-mnist train: error: 3 steps in a row (to step 7) had non-finite loss "
                 "or gradients (rank(s) 0 at the last); none was applied, and no checkpoint was "
@@ -311,7 +306,7 @@ def test_a_read_only_checkpoint_folder_is_said_before_the_first_step(tiny_digits
     args = ["train", "--device", "cpu", "--dataset", "synthetic", "--data-dir", str(tiny_digits),
             "--checkpoint-dir", str(ckpt), "--logdir", str(tmp_path / "runs")]
     done = run(cli_cmd(*args), timeout=60)
-    assert done.returncode == 2, done.stdout
+    assert done.returncode == EXIT_CANNOT_SAVE, done.stdout
     assert done.stdout.strip().splitlines()[-1].startswith(
         f"elastic-mnist train: error: checkpoint folder {ckpt} cannot be written: "), done.stdout
     assert TRACEBACK not in done.stdout

@@ -26,7 +26,8 @@ import pytest
 import yaml
 from launch import REPO, clean_env, kill_tree
 
-from elastic_mnist.rendezvous import DEFAULT_PORT, RendezvousError, add_arguments, serve
+from elastic_mnist.errors import RendezvousError
+from elastic_mnist.rendezvous import DEFAULT_PORT, add_arguments, serve
 
 JOBS = REPO / "jobs"
 NODE_SH = JOBS / "node.sh"

@@ -1,4 +1,4 @@
-"""One live job per checkpoint folder (elastic_mnist/lease.py).
+"""One live job per checkpoint folder (elastic_mnist/resilience/lease.py).
 
 The protocol on real files, with keepers in threads: who may take a lease, who is refused, when a
 dead job's lease lapses, --take-over, SLURM's copies, releasing, and launches that race. Real
@@ -27,12 +27,11 @@ from elastic_mnist import distributed
 from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv, Rendezvous
+from elastic_mnist.errors import EXIT_LEASE_LOST, EXIT_PREEMPTED, FolderInUse
 from elastic_mnist.events import EventLog, read_events
-from elastic_mnist.fence import Fence, FenceClosed, Over
-from elastic_mnist.lease import (
-    EXIT_LOST,
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+from elastic_mnist.resilience.lease import (
     LEASE_FILE,
-    FolderInUse,
     JobIdentity,
     Lease,
     LeaseHold,
@@ -40,7 +39,6 @@ from elastic_mnist.lease import (
     checkpoint_folder_lease,
     read_lease,
 )
-from elastic_mnist.preemption import EXIT_PREEMPTED
 
 JOB_A = JobIdentity("torchrun:job-a")
 JOB_B = JobIdentity("torchrun:job-b")
@@ -179,7 +177,7 @@ def test_take_over_is_at_once_and_the_job_that_lost_stops_without_writing(tmp_pa
         saver.wait()
     with pytest.raises(FenceClosed):
         events.emit("checkpoint", 2)
-    assert [o.status for o in over] == [EXIT_LOST, EXIT_LOST]
+    assert [o.status for o in over] == [EXIT_LEASE_LOST, EXIT_LEASE_LOST]
     assert over[0].line == f"checkpoint folder {tmp_path} was taken over by torchrun job job-b " \
         f"on host {platform.node()} (pid {os.getpid()}): this job stops without writing more"
     assert (tmp_path / "latest").read_text() == "step-00000001\n"

@@ -26,23 +26,21 @@ from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
+from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
-from elastic_mnist.fence import Fence, FenceClosed, Over
-from elastic_mnist.lease import JobIdentity, LeaseKeeper, read_lease
-from elastic_mnist.membership import (
-    EXIT_GAVE_UP,
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+from elastic_mnist.resilience.lease import JobIdentity, LeaseKeeper, read_lease
+from elastic_mnist.resilience.membership import (
     PULSE_S,
     Fault,
     Identity,
     Membership,
-    PeerFailure,
     Pulses,
-    arrive_at_exit_barrier,
     close_membership,
     pulse_key,
-    rendezvous_round,
     successor_env,
 )
+from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 from elastic_mnist.trainer import StepFlags
 
 TIMEOUT = datetime.timedelta(seconds=10)
@@ -217,7 +215,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     """A recovery that cannot complete a step within its bound leaves (torchrun restarts the job)
     with one line and one ``fallback`` record naming the phase that failed and why; a rank the
     others went on without says so the same way."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     left: list[int] = []
     monkeypatch.setattr(membership, "end_process", left.append)
@@ -227,7 +225,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
         member.on_fallback = written.append
     mine.phase, mine.failure = "creating the new group", "creating the new group: no pulse"
     mine._give_up()
-    assert left == [membership.EXIT_GAVE_UP]
+    assert left == [EXIT_GAVE_UP]
     assert written[0]["phase"] == "creating the new group"
     assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
                                            "round failed creating the new group: no pulse")
@@ -257,7 +255,7 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     assert survivor.dropped() is None  # on its way to generation 1
     assert other.dropped() == (None if why == "left" else Over(
         "rank 2 was dropped from the job at generation 0 (the job is at 1): leaving without "
-        "writing", EXIT_GAVE_UP))
+        "writing", EXIT_DROPPED))
     survivor.generation = 2
     survivor._publish_current([first])
     survivor.generation = 1
@@ -301,7 +299,7 @@ def test_the_fence_fails_closed_for_a_dropped_rank_when_the_coordination_store_d
         events.emit("checkpoint", 2)
     member.close()
     events.close()
-    assert [o.status for o in over] == [EXIT_GAVE_UP, EXIT_GAVE_UP]
+    assert [o.status for o in over] == [EXIT_DROPPED, EXIT_DROPPED]
     assert over[0].line == ("rank 0 was dropped from the job at generation 0 (generation.json "
                             "says the job is at 1; the coordination store does not answer): "
                             "leaving without writing")
@@ -350,7 +348,7 @@ def test_a_rank_still_in_the_job_commits_when_the_coordination_store_does_not_an
     assert over == []
     assert (tmp_path / "latest").read_text() == "step-00000001\n"
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl")] == [1]
-    said = [r.getMessage() for r in caplog.records if r.name == "elastic_mnist.fence"]
+    said = [r.getMessage() for r in caplog.records if r.name == "elastic_mnist.resilience.fence"]
     assert len(said) == 1 and said[0].startswith(
         "rank 0 cannot tell whether it is still one of the job's ranks: the coordination store "
         "does not answer (") and said[0].endswith("; writing on")
@@ -406,7 +404,7 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import torchrun_agents
 
     backend = C10dRendezvousBackend(store, "job7")
     state = _RendezvousState()
@@ -423,8 +421,8 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
     launch.set("g0/id/1", json.dumps(dataclasses.asdict(
         Identity("n2", 99, 4242, 0, agent_addr="n2.example"))))
     left: list[int] = []
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
-    monkeypatch.setattr(membership, "end_process", left.append)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "end_process", left.append)
     env = DistEnv(rank=0, world_size=2, launched=True, rendezvous=rendezvous_of(
         ["torchrun", "--nnodes=1:4", "--rdzv_backend=c10d", "--rdzv_endpoint=head:29400",
          "--rdzv_id=job7", "-m", "elastic_mnist", "train"]))
@@ -447,7 +445,7 @@ def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, ca
         deadline = time.monotonic() + 10
         while not left and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert left[0] == membership.EXIT_GAVE_UP
+        assert left[0] == EXIT_DROPPED
         assert "the rendezvous moved on to round 4 without this node's agent" in caplog.text
     finally:
         member.close()
@@ -481,16 +479,16 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
     import subprocess
     import sys
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import torchrun_agents
 
     monkeypatch.setattr(os, "getppid", os.getpid)  # the handler below is this process's agent
     monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # no store of its own to serve
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
 
     def leave(code: int):
         raise SystemExit(code)
 
-    monkeypatch.setattr(membership, "end_process", leave)
+    monkeypatch.setattr(torchrun_agents, "end_process", leave)
     agent = c10d_handler(store.port, "job7", local_addr="agent-a.example",
                          last_call_timeout="1", keep_alive_interval="60")  # never renews
     assert agent.next_rendezvous().rank == 0
@@ -498,7 +496,7 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
         ["torchrun", "--nnodes=1:2", "--rdzv_backend=c10d",
          f"--rdzv_endpoint=127.0.0.1:{store.port}", "--rdzv_id=job7",
          "--rdzv_conf=keep_alive_interval=1", "-m", "elastic_mnist", "train"]))
-    reader = membership.RendezvousReader(store, "job7")
+    reader = torchrun_agents.RendezvousReader(store, "job7")
     (joined_at,) = reader.read()[0].last_heartbeats.values()
     member = Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/x",
                                                               store.clone()),
@@ -519,7 +517,7 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
     with pytest.raises(SystemExit) as left:
         Membership(env, torch.device("cpu"), PrefixStore("elastic_mnist/job7/y", store.clone()),
                    generation=0, pg_timeout_s=10, bound_s=60)
-    assert left.value.code == membership.EXIT_GAVE_UP
+    assert left.value.code == EXIT_DROPPED
     assert "the rendezvous is in round 1, which does not list this node's torchrun agent" in \
         caplog.text
     assert not store.check(["elastic_mnist/job7/y/g0/id/0"])  # nothing written
@@ -530,10 +528,10 @@ def test_a_rank_takes_its_round_and_its_agent_from_the_rendezvous(store, monkeyp
 ORPHAN = """import os, sys, time
 import torch
 from torch.distributed import PrefixStore, TCPStore
-from elastic_mnist import membership
 from elastic_mnist.env import DistEnv, rendezvous_of
+from elastic_mnist.resilience import membership, torchrun_agents
 
-membership.ROUND_CHECK_S = 0.05
+torchrun_agents.ROUND_CHECK_S = 0.05
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 store.wait(["go"])
 env = DistEnv(rank=1, world_size=2, group_rank=1, launched=True, rendezvous=rendezvous_of(
@@ -561,9 +559,9 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import torchrun_agents
 
-    monkeypatch.setattr(membership, "ROUND_CHECK_S", 0.05)
+    monkeypatch.setattr(torchrun_agents, "ROUND_CHECK_S", 0.05)
     worker = shlex.join([sys.executable, "-c", ORPHAN, str(store.port)])
     agent = subprocess.Popen(["bash", "-c", f"{worker} & wait"], stdout=subprocess.PIPE,
                              text=True, cwd=os.path.dirname(os.path.dirname(__file__)))
@@ -703,7 +701,7 @@ def test_an_agent_whose_keep_alive_lapsed_in_a_stalled_store_is_renewed_back(tmp
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    from elastic_mnist.membership import RendezvousReader
+    from elastic_mnist.resilience.torchrun_agents import RendezvousReader
 
     serve = ("import time; from torch.distributed import TCPStore; "
              "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False); "
@@ -814,8 +812,8 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.membership import Change
-    from elastic_mnist.preemption import StopRequest
+    from elastic_mnist.resilience.membership import Change
+    from elastic_mnist.resilience.preemption import StopRequest
     from elastic_mnist.trainer import Trainer
     from elastic_mnist.writers import Writers
 
@@ -861,8 +859,8 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
     from elastic_mnist.engine import GradCheck, sum_allreduce_hook
+    from elastic_mnist.resilience.watchdog import NullWatchdog
     from elastic_mnist.trainer import Trainer
-    from elastic_mnist.watchdog import NullWatchdog
 
     cfg = TrainConfig()
     cfg.run.device = "cpu"
@@ -887,7 +885,7 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
 
 
 def a_change(rank: int, world_size: int, generation: int):
-    from elastic_mnist.membership import Change
+    from elastic_mnist.resilience.membership import Change
 
     return Change(env=DistEnv(rank=rank, world_size=world_size, launched=True),
                   generation=generation, old_world_size=2, lost=[], why="died", step=3,
@@ -930,7 +928,7 @@ LATE_RANK = """import sys
 import torch
 from torch.distributed import PrefixStore, TCPStore
 from elastic_mnist.env import DistEnv
-from elastic_mnist.membership import Membership, PeerFailure
+from elastic_mnist.resilience.membership import Membership
 import test_membership
 
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
@@ -1061,7 +1059,7 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
     from elastic_mnist import distributed
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.membership import CannotRecover
+    from elastic_mnist.errors import CannotRecover
     from elastic_mnist.trainer import Trainer
 
     cfg = TrainConfig()
@@ -1095,8 +1093,8 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
     """The survivors' group is handed to torch through a backend name of its own, which becomes
     the default group's: a later ``new_group()`` without a backend builds a real one under that
     name; and an install that fails keeps no connected backend for a later group to take."""
-    from elastic_mnist import membership
-    from elastic_mnist.membership import connect_group, install_group
+    from elastic_mnist.resilience import survivors_group
+    from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
     cpu, store = torch.device("cpu"), torch.distributed.HashStore()
     with no_group_left():
@@ -1110,14 +1108,14 @@ def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
         with pytest.raises(ValueError, match="twice"):  # a default group is there already
             install_group(connect_group(cpu, PrefixStore("g2", store), 0, 1, TIMEOUT), cpu,
                           PrefixStore("g2", store), 0, 1, TIMEOUT)
-        assert membership._handed_over == []
+        assert survivors_group._handed_over == []
 
 
 def test_an_nccl_group_is_installed_without_connecting_again(monkeypatch):
     """On NCCL the backend is connected as it is built (in the recovery's thread): torch would
     connect it again if ``init_process_group`` were given the device; the group is bound to it
     afterwards instead. (A gloo backend stands in for NCCL's here.)"""
-    from elastic_mnist.membership import connect_group, install_group
+    from elastic_mnist.resilience.membership import connect_group, install_group
 
     cpu, cuda, store = torch.device("cpu"), torch.device("cuda", 0), torch.distributed.HashStore()
     init, given = torch.distributed.init_process_group, []
@@ -1137,7 +1135,7 @@ def test_a_late_watcher_never_aborts_the_next_generations_nccl_group(members, mo
     """NCCL's abort of the default group is decided under the lock the generation moves on
     under: a watcher of generation 0 that gets there only once this rank is in generation 1
     (and installed its group) aborts nothing; one in time aborts its own generation's group."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     mine = members(0, 1)
     aborted, late = [], [False]
@@ -1163,7 +1161,7 @@ def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeyp
     """gloo is done with the store once its group is connected, and gives its connection back
     to the spares; NCCL's later communicators meet on it, so an NCCL group keeps it (the
     spares are refilled once the change is over)."""
-    from elastic_mnist import membership
+    from elastic_mnist.resilience import membership
 
     mine = members(0, 1)
     built: list[str] = []

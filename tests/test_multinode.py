@@ -23,9 +23,10 @@ from launch import REPO, clean_env, cli_cmd, free_port, kill_tree, run, torchrun
 from shared_runs import inspect, newest
 from test_dashboards import accumulate
 
+from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
-from elastic_mnist.faults import FAULT_VAR
-from elastic_mnist.membership import arrive_at_exit_barrier, rendezvous_round
+from elastic_mnist.resilience.faults import FAULT_VAR
+from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 
 sys.path.insert(0, str(REPO / "scripts"))
 import chaos
@@ -118,7 +119,7 @@ def test_nodes_lost_in_every_phase_of_the_recovery_cost_seconds_in_process(tmp_p
 
     The survivor goes on in its own process within seconds, one ``shrink`` record naming every
     rank lost, 5 -> 1, no fallback."""
-    from elastic_mnist.faults import BUSY_S
+    from elastic_mnist.resilience.faults import BUSY_S
 
     monkeypatch.setenv(FAULT_VAR, "die@8:4,busy@8:3,die-agreeing@8:2,freeze-recovering@8:1,"
                                   "freeze-adopting@8:0")
@@ -334,7 +335,7 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
     admitted by the lease: one job). Rank 0 freezes (SIGSTOP) as its writer is about to commit
     step 3's checkpoint; rank 1 names it after --hang-timeout and goes on alone, as rank 0, in
     its own process, to the end. Woken (SIGCONT), the old rank 0 leaves with one line and the
-    gave-up status, and nothing of it reaches the folders: not its queued checkpoint, nor
+    dropped status, and nothing of it reaches the folders: not its queued checkpoint, nor
     `latest`, nor a record of the generation that is over, nor TensorBoard, nor the lease."""
     from shared_runs import args_for
 
@@ -360,7 +361,7 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
         for agent in agents:
             kill_tree(agent.pid)
     woken = (tmp_path / "agent0.log").read_text()[frozen_at:]
-    assert "exitcode  : 124" in woken, woken  # torchrun's summary of it
+    assert f"exitcode  : {EXIT_DROPPED}" in woken, woken  # torchrun's summary of it
     said = [line for line in woken.splitlines() if "[rank 0]" in line]
     assert len(said) == 1, woken
     assert "ERROR rank 0 was dropped from the job at generation 0 (the job is at 1): leaving " \

@@ -18,14 +18,8 @@ from pathlib import Path
 import torch
 
 from elastic_mnist.data.fingerprint import SHORT, fingerprint
-from elastic_mnist.data.idx import (
-    IMAGES_MAGIC,
-    LABELS_MAGIC,
-    DataError,
-    gunzip,
-    read_idx,
-    write_idx,
-)
+from elastic_mnist.data.idx import IMAGES_MAGIC, LABELS_MAGIC, gunzip, read_idx, write_idx
+from elastic_mnist.errors import DataError
 from elastic_mnist.fsutil import atomic_write_bytes
 
 log = logging.getLogger(__name__)

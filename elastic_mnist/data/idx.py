@@ -9,14 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from elastic_mnist.errors import DataError
 from elastic_mnist.fsutil import atomic_write_bytes
 
 IMAGES_MAGIC = 2051  # unsigned byte, 3 dimensions
 LABELS_MAGIC = 2049  # unsigned byte, 1 dimension
-
-
-class DataError(RuntimeError):
-    """A data file is missing, corrupt or truncated; the message names it."""
 
 
 def read_idx(path: Path, magic: int) -> torch.Tensor:

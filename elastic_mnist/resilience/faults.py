@@ -47,7 +47,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from elastic_mnist.env import EnvError
+from elastic_mnist.errors import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
 KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recovering",

@@ -62,11 +62,19 @@ from pathlib import Path
 import torch
 
 from elastic_mnist import distributed
-from elastic_mnist.checkpoint import CheckpointWriteError, read_run_file, unwritable
+from elastic_mnist.checkpoint import read_run_file, unwritable
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import NO_FENCE, CannotTell, NullFence, Over, leave
-from elastic_mnist.preemption import EXIT_PREEMPTED
+from elastic_mnist.errors import (
+    EXIT_CANNOT_SAVE,
+    EXIT_LEASE_LOST,
+    EXIT_PREEMPTED,
+    CannotTell,
+    CheckpointWriteError,
+    FolderInUse,
+    PeerStopped,
+)
+from elastic_mnist.resilience.fence import NO_FENCE, NullFence, Over, leave
 
 log = logging.getLogger(__name__)
 
@@ -75,11 +83,6 @@ BEATS_PER_TIMEOUT = 5
 """Renewals per --lease-timeout: a keeper may miss four in a row before its lease lapses."""
 WATCHED_BEATS = 2
 """Renewal periods a lapsed-looking lease is watched for a change before it is taken over."""
-EXIT_LOST = 2
-
-
-class FolderInUse(Exception):
-    """Another live job holds the checkpoint folder; the message is one line for the user."""
 
 
 @dataclass(frozen=True)
@@ -419,7 +422,7 @@ class LeaseKeeper:
 def taken_over(folder: Path, current: Lease) -> Over:
     return Over(f"checkpoint folder {folder} was taken over by {current.identity.describe()} on "
                 f"host {current.host} (pid {current.pid}): this job stops without writing more",
-                EXIT_LOST)
+                EXIT_LEASE_LOST)
 
 
 def read_lease_file(path: Path) -> Lease | None:
@@ -477,8 +480,6 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
     Raises FolderInUse on every rank when another live job holds it on any node, before anything
     is written; a node whose folder cannot be written stops the job as check_writable would.
     """
-    from elastic_mnist.trainer import PeerStopped
-
     folder = Path(cfg.checkpoint.checkpoint_dir)
     identity, keeper, outcome = None, None, None
     if env.is_local_main:
@@ -505,7 +506,8 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
             raise FolderInUse(in_use[0])
         if outcome is not None:
             raise CheckpointWriteError(outcome[1])
-        raise PeerStopped("another node cannot write the checkpoint folder", exit_code=2)
+        raise PeerStopped("another node cannot write the checkpoint folder",
+                          exit_code=EXIT_CANNOT_SAVE)
     hold = LeaseHold(folder, next(i for _, i in gathered if i is not None), keeper)
     if keeper is None:
         yield hold

@@ -10,8 +10,6 @@ from collections.abc import Iterator
 log = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-EXIT_PREEMPTED = 128 + signal.SIGTERM  # what schedulers read as "terminated, not finished"
-EXIT_INTERRUPTED = 128 + signal.SIGINT  # what shells read as "ended by Ctrl-C"
 
 
 class StopRequest:

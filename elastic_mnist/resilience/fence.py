@@ -32,6 +32,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from elastic_mnist.distributed import end_process
+from elastic_mnist.errors import CannotTell
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +54,6 @@ Reason = Callable[[], "Over | None"]
 def leave(over: Over) -> None:
     log.error("%s", over.line)
     end_process(over.status)
-
-
-class CannotTell(Exception):
-    """Raised by a reason that cannot answer now: nothing says this process was dropped, and
-    nothing can say that it was not."""
 
 
 class NullFence:

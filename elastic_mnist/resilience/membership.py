@@ -39,7 +39,8 @@ without. Such a stall also lapses the agents' keep-alives in the rendezvous, and
 sends none once its own has lapsed: the workers renew them in their place. If every
 agent is dropped all the same, torch's rendezvous starts a new round without them, and a joining
 node trains alone in it beside the job; so every rank watches the round, and one that moved on
-while this process still trains means its agent was dropped (see :meth:`Membership._guard_round`).
+while this process still trains means its agent was dropped (see :meth:`TorchrunAgents.guard`,
+torchrun_agents.py).
 
 The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
 on the agent's command line): it outlives any node but its own host, and every node when it is
@@ -57,15 +58,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
-import io
 import json
 import logging
 import os
-import pickle
 import platform
 import secrets
-import socket
 import threading
 import time
 from collections.abc import Callable
@@ -78,16 +75,19 @@ import torch.distributed as dist
 
 from elastic_mnist.distributed import backend_for, end_process
 from elastic_mnist.env import DistEnv
-from elastic_mnist.fence import CannotTell, Over
+from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, CannotRecover, CannotTell, PeerFailure
 from elastic_mnist.fsutil import atomic_write_bytes
+from elastic_mnist.resilience.fence import Over
+from elastic_mnist.resilience.survivors_group import (
+    abort_default_group,
+    connect_group,
+    install_group,
+)
+from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
 
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_mnist"
-ROUND_CHECK_S = 2.0
-"""How often each rank reads the rendezvous round (:meth:`Membership._guard_round`): well within
-the seconds a node that starts a round alone takes to its first checkpoint. A node's local rank
-0 reads it at least once per keep-alive interval of its agent, to renew a lapsing one."""
 PULSE_S = 0.1
 """How often each process raises its pulse in the coordination store."""
 SILENT_PULSES = 15
@@ -97,9 +97,6 @@ where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6
 and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
 recovery may add to it (it is named by this silence when nothing else fails first)."""
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
-EXIT_GAVE_UP = 124
-"""Exit status of a worker that could not go on in process (as the watchdog's): torchrun then
-restarts its node, and the rendezvous that follows restarts every node."""
 CURRENT = "current"
 """The key naming the job's current generation, and the processes of the last one it kept."""
 GENERATION_FILE = "generation.json"
@@ -107,14 +104,6 @@ GENERATION_FILE = "generation.json"
 decides from when the coordination store does not answer (see :meth:`Membership.dropped`)."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
-
-
-class PeerFailure(RuntimeError):
-    """A collective of the training loop failed, or was given up on: the group changed."""
-
-
-class CannotRecover(Exception):
-    """This rank cannot go on in process; it leaves, and torchrun restarts the job."""
 
 
 @dataclass(frozen=True)
@@ -305,11 +294,12 @@ class Membership(NullMembership):
 
     def __init__(self, env: DistEnv, device: torch.device, store: dist.Store, generation: int,
                  pg_timeout_s: float, bound_s: float, folder: Path | None = None,
-                 launch: str = ""):
+                 launch: str = "", agents: NoAgents | None = None):
         """``store``: the coordination store, under this launch's own prefix; ``bound_s``: how
         long after a fault the survivors may take to complete a step before they give up;
         ``folder``: the checkpoint folder, where the job's current generation is mirrored
-        (``GENERATION_FILE``) for the launch ``launch``."""
+        (``GENERATION_FILE``) for the launch ``launch``; ``agents``: the launcher's agents, the
+        membership's one face to them (torchrun's of ``env``'s rendezvous by default)."""
         self.env, self.device = env, device
         self.folder, self.launch = (None if folder is None else Path(folder)), launch
         self.store = store
@@ -338,11 +328,13 @@ class Membership(NullMembership):
         self._closed = False
         self._connections = Connections.open(store)
         self._watcher: threading.Thread | None = None
-        self.round: int | None = None
-        """The rendezvous round this process's agent is in: see :meth:`_guard_round`."""
-        if env.rendezvous is not None:
-            self.round, agent_addr = self._own_round()
-            self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
+        self.launcher = agents if agents is not None else agents_for(env)
+        """The launcher's agents (torchrun_agents.py): kept in the rendezvous, released at
+        the end."""
+        agent_addr = self.launcher.join(store, self.identity.agent, env.group_rank)
+        self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
+        self.round: int | None = self.launcher.round
+        """The rendezvous round this process's agent is in (None: no rendezvous)."""
         self.pulse_key = pulse_key(self.identity)
         self._connections.declare.add(self.pulse_key, 1)  # exists before this rank says who it is
         self._pulse_keys: dict[int, str] = {}
@@ -361,9 +353,10 @@ class Membership(NullMembership):
         """For each rank of the current generation, its rank where the change began."""
         threading.Thread(target=self._pulse, daemon=True, name="membership-pulse").start()
         self._start_generation()
-        if self.round is not None:
-            threading.Thread(target=self._guard_round, daemon=True,
-                             name="membership-round").start()
+        self.launcher.guard(self._connections.declare, Members(
+            agent=self.identity.agent, closed=lambda: self._closed,
+            generation=lambda: self.generation, rank=lambda: self.env.rank,
+            local_rank=lambda: self.env.local_rank, agents=self._member_agents))
 
     # --- the generation's keys --------------------------------------------------------------------
 
@@ -471,7 +464,7 @@ class Membership(NullMembership):
             with self._group_lock:
                 if (generation is None or generation == self.generation) \
                         and dist.is_initialized():
-                    dist.distributed_c10d._abort_process_group()
+                    abort_default_group()
 
     def declare(self, why: str, suspects: list[int], detail: str = "",
                 generation: int | None = None) -> Fault | None:
@@ -627,7 +620,7 @@ class Membership(NullMembership):
         fault is declared in this generation, which this thread does itself when a member's
         pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
         it completes only if the member it waits for comes back to life, and that one, dropped,
-        leaves (exit 124), so that torchrun restarts the job anyway.
+        leaves (EXIT_DROPPED), so that torchrun restarts the job anyway.
 
         ``work`` changes nothing outside itself (no default group, no model, no trainer): it
         returns what the caller then applies, in the training thread, in the generation it ran
@@ -724,7 +717,7 @@ class Membership(NullMembership):
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
-                    f"is at {current['generation']}): leaving without writing", EXIT_GAVE_UP)
+                    f"is at {current['generation']}): leaving without writing", EXIT_DROPPED)
 
     def _dropped_by_file(self, generation: int, me: str, error: RuntimeError) -> Over:
         """Why this process was dropped, as the checkpoint folder's ``GENERATION_FILE`` says it
@@ -739,7 +732,7 @@ class Membership(NullMembership):
         return Over(f"rank {rank} was dropped from the job at generation {generation} "
                     f"({GENERATION_FILE} says the job is at {found['generation']}; the "
                     f"coordination store does not answer): leaving without writing",
-                    EXIT_GAVE_UP)
+                    EXIT_DROPPED)
 
     def _arm_deadline(self) -> None:
         if self._deadline is None:
@@ -768,82 +761,6 @@ class Membership(NullMembership):
             log.warning("could not open a spare connection to the coordination store (%s): a "
                         "recovery opens one if it needs it", _first_line(e))
 
-    def _own_round(self) -> tuple[int, str]:
-        """The rendezvous round this process's agent is in, and the agent's name there (torch
-        names it by its own host's name, which this process's resolver may not give back).
-        Leaves at once, writing nothing, when the current round does not list the agent: its
-        keep-alives lapsed, the rendezvous dropped it, and a round that another node started
-        is no round of this process's (see :meth:`_guard_round`)."""
-        rdzv = self.env.rendezvous
-        state, _ = RendezvousReader(self.store, rdzv.run_id).read()
-        names = [rdzv.local_addr or socket.getfqdn(), platform.node()]
-        name = agent_name(state, self.identity.agent, names, rank=self.env.group_rank)
-        if name is None:
-            log.error("the rendezvous is in round %d, which does not list this node's torchrun "
-                      "agent (pid %d; its keep-alives lapsed): leaving, so that torchrun "
-                      "restarts this node into the job", state.round, self.identity.agent)
-            end_process(EXIT_GAVE_UP)
-        return state.round, name
-
-    def _guard_round(self) -> None:
-        """Keeps this process's agent in the rendezvous, and leaves at once when the rendezvous
-        has moved on to a round without it.
-
-        torch's rendezvous drops an agent whose keep-alives lapsed, and torch's agent stops
-        sending them for good once its own has lapsed in the store (a store that stalls, a
-        machine starved of CPU; see :meth:`RendezvousReader.renew`). So each node's local rank
-        0, while its agent lives, renews the keep-alives of every agent of the generation's
-        ranks where they are nearly lapsed (a node that is gone has no rank left among them),
-        but for agents that are dead while their workers live on (an agent SIGKILLed alone:
-        torchrun starts its workers in sessions of their own): each rank whose parent is no
-        longer its agent says so in the store, and that agent is left to lapse.
-
-        When the rendezvous has dropped every agent of a round all the same, the next node to
-        come starts a new round alone and trains beside the job, into its folders, while the
-        dropped agents, who see no node waiting, leave their workers alone. Nothing else moves
-        the round while workers of the last one run: agents that restart their workers leave
-        the round only once those have exited, and a new round begins only when every agent
-        has left the last one. So a process that sees a newer round stops, writing nothing
-        more; its agent restarts it into the new round, which makes the agents there restart
-        theirs, and the job is one again, from its last checkpoint."""
-        rdzv = self.env.rendezvous
-        reader = RendezvousReader(self._connections.declare, rdzv.run_id)
-        lapse_s = rdzv.keep_alive_interval_s * rdzv.keep_alive_max_attempt
-        renew_after_s = lapse_s - rdzv.keep_alive_interval_s / 2
-        agents: tuple[int, set[tuple[str, int]]] = (-1, set())
-        orphaned = said_orphaned = False
-        while not self._closed:
-            orphaned = orphaned or os.getppid() != self.identity.agent
-            keeper = self.env.local_rank == 0 and not orphaned
-            time.sleep(min(ROUND_CHECK_S, rdzv.keep_alive_interval_s) if keeper
-                       else ROUND_CHECK_S)
-            try:
-                if orphaned and not said_orphaned:
-                    self._connections.declare.set(_dead_agent_key(
-                        (self.identity.agent_addr, self.identity.agent)), str(self.env.rank))
-                    said_orphaned = True
-                    log.warning("this node's torchrun agent (pid %d) is gone: the other nodes "
-                                "no longer keep it in the rendezvous", self.identity.agent)
-                state, token = reader.read()
-                renewed = None
-                if keeper and state.round == self.round:
-                    if agents[0] != self.generation:
-                        agents = self._member_agents()
-                    renewed = reader.renew(state, token, self._living(agents[1]), renew_after_s)
-            except Exception:  # noqa: BLE001, S112 - the store stalls or went (torch's
-                continue  # rendezvous errors are no RuntimeError): the loop's own waits tell
-            if self._closed:
-                return
-            if state.round != self.round:
-                log.error("the rendezvous moved on to round %d without this node's agent (in "
-                          "round %d; its keep-alives lapsed): leaving, so that torchrun "
-                          "restarts this node into the job", state.round, self.round)
-                end_process(EXIT_GAVE_UP)
-            if renewed is not None:
-                log.warning("%d of this job's torchrun agents had sent no keep-alive for up to "
-                            "%.1f s (the rendezvous drops one at %.0f s, and it sends none once "
-                            "its own has lapsed): renewed in their place", *renewed, lapse_s)
-
     def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
         """The generation, and the agents of its ranks as the rendezvous names them (name, pid);
         none until every rank has said who it is. All or none: the first agent to write again
@@ -853,11 +770,6 @@ class Membership(NullMembership):
         if UNKNOWN in found or generation != self.generation:
             return -1, set()
         return generation, {(i.agent_addr, i.agent) for i in found}
-
-    def _living(self, agents: set[tuple[str, int]]) -> set[tuple[str, int]]:
-        """``agents`` but those that their own workers found dead (see :meth:`_guard_round`)."""
-        store = self._connections.declare
-        return {agent for agent in agents if not store.check([_dead_agent_key(agent)])}
 
     def _give_up(self) -> None:
         self.fall_back(f"no step completed within {self.bound_s:.0f} s of the fault"
@@ -879,32 +791,11 @@ class Membership(NullMembership):
     # --- the job's end ----------------------------------------------------------------------------
 
     def release_agents(self) -> None:
-        """Arrives at torchrun's exit barrier for the agents that never will (a change removed
-        them: their node died, left, or froze; or they died alone, their workers still members),
-        so that the surviving agents exit as soon as their workers have, instead of waiting
-        ``exit_barrier_timeout`` (300 s) for them. Rank 0 does it, once, at the end; after a run
-        without a change, for none (an arrival for a live agent opens the barrier early: the
-        agent serving the store may then exit while another still watches its workers)."""
-        if not self.env.is_main or self.env.rendezvous is None:
-            return
-        run_id = self.env.rendezvous.run_id
-        try:
-            members = self._member_agents()[1]
-            missing = self.gone_agents + len(members - self._living(members))
-            if missing <= 0:
-                return
-            round_ = rendezvous_round(self.store, run_id)
-            if round_ != self.round:
-                raise ValueError(f"the rendezvous is in round {round_}, this job's agents were "
-                                 f"in {self.round}")
-            arrive_at_exit_barrier(self.store, run_id, round_, missing, self.launch_agents)
-        except (RuntimeError, pickle.UnpicklingError, ValueError) as e:
-            log.warning("could not release the agents of the nodes that are gone (%s): the "
-                        "others wait for them up to torchrun's exit barrier timeout (300 s)",
-                        _first_line(e))
-            return
-        log.info("arrived at the exit barrier of rendezvous round %d for %d agent(s) that are "
-                 "gone", round_, missing)
+        """Rank 0, at the end: the launcher's agents that a change removed, or whose workers
+        found them dead, are released from its exit barrier (see :meth:`TorchrunAgents.release`)."""
+        if self.env.is_main:
+            self.launcher.release(self.store, self.gone_agents,
+                                  lambda: self._member_agents()[1], self.launch_agents)
 
 
 def still_in(current: dict[str, Any], generation: int, me: str) -> bool:
@@ -949,11 +840,6 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
     return json.loads(store.get(key))
 
 
-def _dead_agent_key(agent: tuple[str, int]) -> str:
-    """Where a worker whose agent (name in the rendezvous, pid) died says so."""
-    return f"dead-agent/{agent[0]}/{agent[1]}"
-
-
 class Pulses:
     """Who is still there, by the pulses in the coordination store: a process is silent when its
     pulse stood still while the reader's own moved SILENT_PULSES times. Measured by the reader's
@@ -993,175 +879,6 @@ def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identi
                                local_rank=siblings.index(env.rank),
                                local_world_size=len(siblings), group_rank=nodes.index(node),
                                group_world_size=len(nodes))
-
-
-# --- a survivors' group, built apart and then made the default one (torch 2.14.1) ----------------
-
-
-def connect_group(device: torch.device, store: dist.Store, rank: int, world_size: int,
-                  timeout: datetime.timedelta) -> dist.Backend:
-    """The backend of a new group, connected to its members (the wait that a member lost or
-    frozen holds up), and registered nowhere: building it changes nothing in this process."""
-    backend = _new_backend(device.type, store, rank, world_size, timeout)
-    if device.type == "cuda":
-        backend.eager_connect_single_device(device)  # as init_process_group with device_id
-    return backend
-
-
-def _new_backend(device_type: str, store: dist.Store, rank: int, world_size: int,
-                 timeout: datetime.timedelta) -> dist.Backend:
-    """A group's backend as ``init_process_group`` builds it for ``device_type``."""
-    if device_type == "cuda":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = timeout  # as init_process_group sets it
-        return dist.ProcessGroupNCCL(store, rank, world_size, options)
-    return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-
-
-_BUILT = "elastic_mnist_built"
-"""torch's name, per device type, of a backend that :func:`install_group` hands over."""
-_handed_over: list[dist.Backend] = []
-
-
-def _hand_over(device_type: str, store: dist.Store, rank: int, size: int,
-               timeout: datetime.timedelta) -> dist.Backend:
-    """The backend ``install_group`` hands over; for any later group made with the default
-    group's backend name (``dist.new_group()`` without a backend), a new one of its own."""
-    if _handed_over:
-        return _handed_over.pop()
-    return _new_backend(device_type, store, rank, size, timeout)
-
-
-def install_group(backend: dist.Backend, device: torch.device, store: dist.Store, rank: int,
-                  world_size: int, timeout: datetime.timedelta) -> None:
-    """Makes ``backend`` (see :func:`connect_group`) this process's default group, as
-    ``init_process_group`` would have, without connecting again: torch takes it from a backend
-    registered for the purpose (``Backend.register_backend``), whose creator hands it over.
-    Called by the training thread only.
-
-    No ``device_id`` goes to ``init_process_group``: with one, torch's
-    ``_new_process_group_helper`` connects the backend again
-    (``eager_connect_single_device``); the group is bound to the device here instead, as it
-    would have been (``bound_device_id``: later groups split from it)."""
-    name = f"{_BUILT}_{device.type}"
-    if not hasattr(dist.Backend, name.upper()):
-        dist.Backend.register_backend(name, functools.partial(_hand_over, device.type),
-                                      devices=[device.type])
-    _handed_over[:] = [backend]
-    try:
-        dist.init_process_group(backend=name, store=store, rank=rank, world_size=world_size,
-                                timeout=timeout)
-    finally:  # a failed init keeps no connected backend for a later group to take
-        _handed_over.clear()
-    if device.type == "cuda":
-        dist.group.WORLD.bound_device_id = device
-
-
-# --- torchrun's own records, read and written as its agents do -------------------------------------
-
-
-class _StateUnpickler(pickle.Unpickler):
-    """The rendezvous state is a pickle (``_BackendRendezvousStateHolder``): only its own
-    classes are loaded, never anything else a store's writer might have put there."""
-
-    ALLOWED = frozenset({
-        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_RendezvousState"),
-        ("torch.distributed.elastic.rendezvous.dynamic_rendezvous", "_NodeDesc"),
-        ("datetime", "datetime"), ("datetime", "timezone"), ("datetime", "timedelta")})
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in self.ALLOWED:
-            raise pickle.UnpicklingError(f"unexpected {module}.{name} in the rendezvous state")
-        return super().find_class(module, name)
-
-
-class RendezvousReader:
-    """The state of the c10d rendezvous ``run_id`` that its agents keep in ``store`` (the raw
-    store, no prefix), read as their own backend reads it; and one agent's keep-alive renewed
-    in it, as that agent writes it."""
-
-    def __init__(self, store: dist.Store, run_id: str):
-        from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import (
-            C10dRendezvousBackend,
-        )
-
-        self.run_id = run_id
-        self._backend = C10dRendezvousBackend(_unprefixed(store), run_id)
-
-    def read(self) -> tuple[Any, Any]:
-        """The state (torch's ``_RendezvousState``) and its token, for :meth:`renew`."""
-        found = self._backend.get_state()
-        if found is None:
-            raise ValueError(f"no rendezvous state for {self.run_id}")
-        return _StateUnpickler(io.BytesIO(found[0])).load(), found[1]
-
-    def __call__(self) -> int:
-        """The round the agents are in."""
-        return self.read()[0].round
-
-    def renew(self, state: Any, token: Any, agents: set[tuple[str, int]], older_than_s: float,
-              ) -> tuple[int, float] | None:
-        """Renews, in ``state``, the keep-alives of the participants among ``agents`` (name in
-        the rendezvous, pid) whose last one is older than ``older_than_s``, in one
-        compare-and-set on ``token``, so that nothing another writer wrote since is lost. How
-        many it renewed and the oldest one's age, when it did.
-
-        An agent of torch 2.14 whose own keep-alive in the store is older than the rendezvous
-        keeps a node (``keep_alive_interval × keep_alive_max_attempt``) never sends another:
-        every read drops the lapsed entries from its copy of the state, its own with them, and
-        ``_should_keep_alive`` finds no entry of its own to renew. A store that stalls that long
-        does it to every agent at once (``make chaos32``: 32 workers connecting, each new
-        client's name looked up in the store's one event loop); the first agent to write again
-        then drops the others, and the next node to join drops them all and starts a round
-        alone. Renewed together, every agent reads its own entry again and goes on renewing it
-        by itself."""
-        now = datetime.datetime.now(datetime.timezone.utc)
-        ages = {node: (now - last).total_seconds() for node, last in state.last_heartbeats.items()
-                if (node.addr, node.pid) in agents and node in state.participants}
-        lapsing = {node: age for node, age in ages.items() if age > older_than_s}
-        if not lapsing:
-            return None
-        state.last_heartbeats.update(dict.fromkeys(lapsing, now))
-        written = self._backend.set_state(pickle.dumps(state), token)
-        return (len(lapsing), max(lapsing.values())) if written is not None and written[2] \
-            else None
-
-
-def agent_name(state: Any, pid: int, names: list[str], rank: int) -> str | None:
-    """The name this host's torchrun agent of pid ``pid`` and rank ``rank`` in the round
-    (``GROUP_RANK``) goes by among the participants of the rendezvous ``state`` (torch's
-    ``_NodeDesc``: the agent's ``--local_addr`` or its host's fully qualified name, its pid;
-    ``participants`` maps each to its rank): the only such participant, else the one of them
-    named as this host is (``names``), else ``names[0]``. None when no participant of that pid
-    holds that rank: the round does not list the agent (agents in containers share pids)."""
-    mine = [node.addr for node, at in state.participants.items() if node.pid == pid and at == rank]
-    if not mine:
-        return None
-    named = [addr for addr in mine if addr in names]
-    return mine[0] if len(mine) == 1 else named[0] if len(named) == 1 else names[0]
-
-
-def rendezvous_round(store: dist.Store, run_id: str) -> int:
-    """The round of the c10d rendezvous ``run_id`` that its agents are in."""
-    return RendezvousReader(store, run_id)()
-
-
-def arrive_at_exit_barrier(store: dist.Store, run_id: str, round_: int, count: int,
-                           agents: int) -> None:
-    """Counts ``count`` arrivals at the exit barrier that the ``agents`` agents of rendezvous
-    round ``round_`` wait in at their end, as each of them does for itself
-    (``torch.distributed.elastic.utils.store.barrier`` under the round's prefix)."""
-    from torch.distributed.elastic.agent.server.api import _TERMINAL_STATE_SYNC_ID
-    from torch.distributed.elastic.utils.store import _LAST_MEMBER_CHECKIN, _NUM_MEMBERS
-
-    barrier = dist.PrefixStore(f"torch.rendezvous.{run_id}.{round_}", _unprefixed(store))
-    arrived = barrier.add(_TERMINAL_STATE_SYNC_ID + _NUM_MEMBERS, count)
-    if arrived == agents:  # the last arrival lets everyone go, as the last agent would
-        barrier.set(_TERMINAL_STATE_SYNC_ID + _LAST_MEMBER_CHECKIN, "<val_ignored>")
-
-
-def _unprefixed(store: dist.Store) -> dist.Store:
-    return store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
 
 
 def _first_line(error: BaseException) -> str:

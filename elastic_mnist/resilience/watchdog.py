@@ -55,11 +55,10 @@ from torch.distributed import Store
 
 from elastic_mnist.distributed import end_process
 from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EXIT_HUNG
 
 log = logging.getLogger(__name__)
 
-EXIT_HUNG = 124
-"""Exit status of a worker that left a hung group (as timeout(1)'s): its agent restarts it."""
 BEAT_S = 1.0
 STEPS_PER_DEADLINE = 10
 """The deadline is at least this many of the slowest recent steps."""

@@ -1,0 +1,14 @@
+"""Resilience, beside the training package: who is in the job and how it goes on when that
+changes.
+
+- ``membership``: the ranks of the job, their generations, pulses and the survivors' agreement;
+- ``torchrun_agents``: the glue to torchrun's agents (read against torch 2.14.1), handed to the
+  membership as the one face it knows of the launcher;
+- ``survivors_group``: a survivors' process group built apart and installed (torch 2.14.1);
+- ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder;
+- ``fence``: whether this process may still write, asked by every writer;
+- ``preemption``: signals become an agreed stop; ``faults``: faults on demand, for tests.
+
+Exit codes and the exceptions that cross rooms are in ``elastic_mnist.errors``. Nothing here is
+imported by this file: importing the package costs nothing.
+"""
