@@ -7,7 +7,7 @@ On disk, under ``--checkpoint-dir``::
     latest               name of the newest committed checkpoint, moved last
     run.json             the run id and the restart generation of the job using this folder
     lease.json           which live job uses this folder (elastic_mnist/resilience/lease.py)
-    generation.json      the job's current generation, for the fence (resilience/membership.py)
+    generation.json      the job's current generation, for the fence (resilience/current.py)
 
 A payload without a manifest was never committed and is ignored. A payload whose sha256 differs
 from its manifest's is skipped with a warning, and the one before it is used.

@@ -132,3 +132,9 @@ def report_user_error(command: str, error: Exception) -> int:
     sys.stderr.write(f"elastic-mnist {command}: error: {error}\n")
     sys.stderr.flush()
     return getattr(error, "exit_code", EXIT_USAGE)
+
+
+def first_line(error: BaseException) -> str:
+    """An error in one line, for a message of one line: its message's first, else its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
