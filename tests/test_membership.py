@@ -38,7 +38,8 @@ from elastic_mnist.resilience.agreement import (
     successor_env,
 )
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
-from elastic_mnist.resilience.lease import JobIdentity, LeaseKeeper, read_lease
+from elastic_mnist.resilience.lease import LeaseKeeper
+from elastic_mnist.resilience.lease_record import JobIdentity, read_lease
 from elastic_mnist.resilience.membership import Membership
 from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 from elastic_mnist.trainer import StepFlags

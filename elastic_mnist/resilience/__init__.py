@@ -8,7 +8,8 @@ changes.
 - ``torchrun_agents``: the glue to torchrun's agents (read against torch 2.14.1), handed to the
   membership as the one face it knows of the launcher;
 - ``survivors_group``: a survivors' process group built apart and installed (torch 2.14.1);
-- ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder;
+- ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder
+  (``lease_record``: what its file says);
 - ``fence``: whether this process may still write, asked by every writer;
 - ``preemption``: signals become an agreed stop; ``faults``: faults on demand, for tests.
 
