@@ -7,7 +7,7 @@ On disk, under ``--checkpoint-dir``::
     latest               name of the newest committed checkpoint, moved last
     run.json             the run id and the restart generation of the job using this folder
     lease.json           which live job uses this folder (elastic_mnist/resilience/lease.py)
-    generation.json      the job's current generation, for the fence (resilience/membership.py)
+    generation.json      the job's current generation, for the fence (resilience/current.py)
 
 A payload without a manifest was never committed and is ignored. A payload whose sha256 differs
 from its manifest's is skipped with a warning, and the one before it is used.
@@ -35,7 +35,12 @@ from typing import Any
 import torch
 
 from elastic_mnist.data.order import epoch_number
-from elastic_mnist.errors import CheckpointError, CheckpointWriteError, InvalidCheckpoint
+from elastic_mnist.errors import (
+    CheckpointError,
+    CheckpointWriteError,
+    InvalidCheckpoint,
+    RefusedToSave,
+)
 from elastic_mnist.fsutil import TEMP_SUFFIX, atomic_write_bytes
 from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 
@@ -357,8 +362,8 @@ class Checkpointer(NullCheckpointer):
         payload = snapshot(state_fn())
         bad = nonfinite_entries(payload)
         if bad:
-            raise CheckpointError(f"refusing to save step {step}: {', '.join(bad[:3])} hold "
-                                  f"non-finite values")
+            raise RefusedToSave(f"refusing to save step {step}: {', '.join(bad[:3])} hold "
+                                f"non-finite values")
         self.last_blocking_ms = (time.perf_counter() - start) * 1e3
         self._idle.clear()
         self._jobs.put((payload, self.last_blocking_ms))

@@ -22,8 +22,9 @@ EXIT_DIVERGED = 3
 rank 0 says why in one line, every other rank leaves with the same code."""
 EXIT_CANNOT_SAVE = 4
 """A checkpoint cannot be written: the folder is found unwritable before the first step, or a
-write failed (full, read-only, not permitted). Shared on purpose by both: the folder is the
-thing to mend either way, and the ranks that learn it from another leave with it too."""
+write failed (full, read-only, not permitted), or rank 0 refused to save weights that are not
+finite. Shared on purpose: no checkpoint comes of going on either way, and the ranks that learn
+it from another leave with it too."""
 EXIT_LEASE_LOST = 5
 """Another job took this job's checkpoint folder (``--take-over``, or the lease lapsed): this
 one stops writing and leaves."""
@@ -69,6 +70,12 @@ class CheckpointError(RuntimeError):
 
 class CheckpointWriteError(CheckpointError):
     """The checkpoint folder cannot take a checkpoint: full, read-only, or not permitted."""
+
+    exit_code = EXIT_CANNOT_SAVE
+
+
+class RefusedToSave(CheckpointError):
+    """The state to save holds non-finite values: written, it would poison every resume."""
 
     exit_code = EXIT_CANNOT_SAVE
 
@@ -125,3 +132,9 @@ def report_user_error(command: str, error: Exception) -> int:
     sys.stderr.write(f"elastic-mnist {command}: error: {error}\n")
     sys.stderr.flush()
     return getattr(error, "exit_code", EXIT_USAGE)
+
+
+def first_line(error: BaseException) -> str:
+    """An error in one line, for a message of one line: its message's first, else its type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

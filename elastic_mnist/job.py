@@ -55,10 +55,11 @@ from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.metrics import NullMetrics, TensorBoardMetrics, flat_hparams
 from elastic_mnist.progress import progress_display
 from elastic_mnist.report import AuditLog
+from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.fence import Fence, NullFence
 from elastic_mnist.resilience.lease import LeaseHold
-from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
+from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
 from elastic_mnist.trainer import Trainer, planned_steps

@@ -22,7 +22,7 @@ from elastic_mnist.checkpoint import snapshot
 from elastic_mnist.errors import CannotRecover, PeerFailure
 from elastic_mnist.events import utc_time
 from elastic_mnist.model import state_digest
-from elastic_mnist.resilience.membership import Change, Position
+from elastic_mnist.resilience.agreement import Change, Position
 
 log = logging.getLogger("elastic_mnist.trainer")  # the loop's lines, under the loop's name
 

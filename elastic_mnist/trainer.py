@@ -37,7 +37,8 @@ from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, PeerStopped, T
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.regroup import LeavePolicy, Regroup
 from elastic_mnist.report import Reporting, _Window
-from elastic_mnist.resilience.membership import Change, NullMembership
+from elastic_mnist.resilience.agreement import Change
+from elastic_mnist.resilience.membership import NullMembership
 from elastic_mnist.resilience.preemption import StopRequest
 from elastic_mnist.state import Progress
 from elastic_mnist.writers import Writers

@@ -19,8 +19,8 @@ from elastic_mnist.checkpoint import (
 )
 from elastic_mnist.errors import EXIT_DROPPED, CheckpointError
 from elastic_mnist.model import build_model, state_digest
+from elastic_mnist.resilience.current import GENERATION_FILE
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
-from elastic_mnist.resilience.membership import GENERATION_FILE
 
 
 def payload(step: int, seed: int = 0) -> dict:

@@ -29,7 +29,7 @@ from elastic_mnist.errors import ConfigError, EnvError
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.job import check_recovery
 from elastic_mnist.model import build_model
-from elastic_mnist.resilience.membership import Change
+from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.trainer import Trainer
 
 

@@ -22,7 +22,14 @@ from launch import REPO, clean_env, cli_cmd, run, start, torchrun_cmd
 from shared_runs import args_for, inspect, wait_until, workers
 
 from elastic_mnist.checkpoint import Checkpointer, newest_committed_step, nonfinite_entries
-from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, CheckpointWriteError, EnvError
+from elastic_mnist.errors import (
+    EXIT_CANNOT_SAVE,
+    EXIT_DIVERGED,
+    CheckpointError,
+    CheckpointWriteError,
+    EnvError,
+    report_user_error,
+)
 from elastic_mnist.events import read_events
 from elastic_mnist.resilience import watchdog
 from elastic_mnist.resilience.faults import FAULT_VAR, Fault, Faults, parse
@@ -136,8 +143,11 @@ def test_a_write_that_fails_midway_takes_back_what_it_wrote(tmp_path, monkeypatc
 
 def test_non_finite_weights_are_never_saved(tmp_path):
     saver = Checkpointer(tmp_path, every=1, keep_last=3, restart_generation=0)
-    with pytest.raises(Exception, match=r"refusing to save step 1: model\.w"):
+    with pytest.raises(Exception, match=r"refusing to save step 1: model\.w") as refused:
         saver.maybe_save(lambda: state(1, float("nan")), 1)
+    # Rank 0 leaves with the code every other rank leaves with when it cannot save, in one line.
+    assert isinstance(refused.value, CheckpointError)  # one line from worker_main, no traceback
+    assert report_user_error("train", refused.value) == EXIT_CANNOT_SAVE
     assert nonfinite_entries(state(1)) == []
     assert not list(tmp_path.glob("step-*"))
 

@@ -1,4 +1,4 @@
-"""One live job per checkpoint folder (elastic_mnist/resilience/lease.py).
+"""One live job per checkpoint folder (elastic_mnist/resilience/lease.py, lease_record.py).
 
 The protocol on real files, with keepers in threads: who may take a lease, who is refused, when a
 dead job's lease lapses, --take-over, SLURM's copies, releasing, and launches that race. Real
@@ -30,15 +30,8 @@ from elastic_mnist.env import DistEnv, Rendezvous
 from elastic_mnist.errors import EXIT_LEASE_LOST, EXIT_PREEMPTED, FolderInUse
 from elastic_mnist.events import EventLog, read_events
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
-from elastic_mnist.resilience.lease import (
-    LEASE_FILE,
-    JobIdentity,
-    Lease,
-    LeaseHold,
-    LeaseKeeper,
-    checkpoint_folder_lease,
-    read_lease,
-)
+from elastic_mnist.resilience.lease import LeaseHold, LeaseKeeper, checkpoint_folder_lease
+from elastic_mnist.resilience.lease_record import LEASE_FILE, JobIdentity, Lease, read_lease
 
 JOB_A = JobIdentity("torchrun:job-a")
 JOB_B = JobIdentity("torchrun:job-b")

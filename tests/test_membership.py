@@ -28,18 +28,19 @@ from elastic_mnist.checkpoint import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
-from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
-from elastic_mnist.resilience.lease import JobIdentity, LeaseKeeper, read_lease
-from elastic_mnist.resilience.membership import (
+from elastic_mnist.resilience.agreement import (
     PULSE_S,
     Fault,
     Identity,
-    Membership,
     Pulses,
     close_membership,
     pulse_key,
     successor_env,
 )
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+from elastic_mnist.resilience.lease import LeaseKeeper
+from elastic_mnist.resilience.lease_record import JobIdentity, read_lease
+from elastic_mnist.resilience.membership import Membership
 from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, rendezvous_round
 from elastic_mnist.trainer import StepFlags
 
@@ -65,8 +66,8 @@ def members(store):
     yield make
     for member in made:
         member.close()
-        if member._deadline is not None:  # armed by a recovery: it would end pytest at bound_s
-            member._deadline.cancel()
+        if member.recovery._deadline is not None:  # armed by a recovery: it would end pytest at bound_s
+            member.recovery._deadline.cancel()
     # A recovery's step given up on (a group's creation waiting for a rank that never comes)
     # ends at the group's timeout; one still blocked in gloo when pytest exits aborts it
     # (std::terminate, status 134) as the timeout fires during the interpreter's shutdown.
@@ -215,23 +216,24 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     """A recovery that cannot complete a step within its bound leaves (torchrun restarts the job)
     with one line and one ``fallback`` record naming the phase that failed and why; a rank the
     others went on without says so the same way."""
-    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience import agreement, recovery
 
     left: list[int] = []
-    monkeypatch.setattr(membership, "end_process", left.append)
+    monkeypatch.setattr(recovery, "end_process", left.append)
     mine, theirs = members(0), members(1)
     written: list[dict] = []
     for member in (mine, theirs):
         member.on_fallback = written.append
-    mine.phase, mine.failure = "creating the new group", "creating the new group: no pulse"
-    mine._give_up()
+    mine.recovery.phase = "creating the new group"
+    mine.recovery.failure = "creating the new group: no pulse"
+    mine.recovery._give_up()
     assert left == [EXIT_GAVE_UP]
     assert written[0]["phase"] == "creating the new group"
     assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
                                            "round failed creating the new group: no pulse")
     store.set("launch/g0/members", "[0]")  # rank 0 closed the membership without rank 1
-    with pytest.raises(membership.CannotRecover, match="went on without this one") as e:
-        theirs.recover(membership.Position(step=3, mid_step=False, evaluated_step=0))
+    with pytest.raises(recovery.CannotRecover, match="went on without this one") as e:
+        theirs.recover(agreement.Position(step=3, mid_step=False, evaluated_step=0))
     theirs.fall_back(str(e.value))  # as Trainer.recover does
     assert (written[1]["phase"], written[1]["rank"]) == ("agreeing on who is left", 1)
     lines = [r.getMessage() for r in caplog.records
@@ -362,7 +364,7 @@ def test_processes_of_one_host_name_and_pid_have_pulses_and_places_of_their_own(
     assert (live.identity.host, live.identity.pid) == (stopped.identity.host,
                                                        stopped.identity.pid)
     stopped.close()  # its pulse stops: frozen, or gone
-    pulses = Pulses(live.store, {r: pulse_key(i) for r, i in live._identities().items()},
+    pulses = Pulses(live.store, {r: pulse_key(i) for r, i in live.identities().items()},
                     live.pulse_key)
     deadline = time.monotonic() + 10
     while not (silent := pulses.silent()) and time.monotonic() < deadline:
@@ -785,7 +787,7 @@ class _Exploit:
 
 def test_identities_of_ranks_lost_before_they_said_who_they_were_are_unknown(store, members):
     member = members(rank=0, world_size=3)
-    found = member._identities()
+    found = member.identities()
     assert found[0].pid > 0 and found[1].host == found[2].host == "unknown"
     assert json.loads(store.get("launch/g0/id/0"))["pid"] == found[0].pid
 
@@ -812,7 +814,7 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
-    from elastic_mnist.resilience.membership import Change
+    from elastic_mnist.resilience.agreement import Change
     from elastic_mnist.resilience.preemption import StopRequest
     from elastic_mnist.trainer import Trainer
     from elastic_mnist.writers import Writers
@@ -885,7 +887,7 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
 
 
 def a_change(rank: int, world_size: int, generation: int):
-    from elastic_mnist.resilience.membership import Change
+    from elastic_mnist.resilience.agreement import Change
 
     return Change(env=DistEnv(rank=rank, world_size=world_size, launched=True),
                   generation=generation, old_world_size=2, lost=[], why="died", step=3,
@@ -909,17 +911,17 @@ def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, me
     store's server resolves a new client's name); the spare is replaced once the change is
     over."""
     mine, theirs = members(0, pg_timeout_s=3), members(1, pg_timeout_s=3)  # the creation ends
-    identities = mine._identities()
+    identities = mine.identities()
     before = connections_to(store.port)
     with no_group_left():
         threading.Timer(0.5, lambda: mine.declare("died", [1], "never came")).start()
         with pytest.raises(PeerFailure):
-            mine._next_generation(a_change(0, 2, 1), identities, [0, 1])
-        mine._next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])  # alone now
+            mine.recovery.next_generation(a_change(0, 2, 1), identities, [0, 1])
+        mine.recovery.next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])  # alone now
         assert connections_to(store.port) == before
         assert torch.distributed.get_world_size() == 1
         mine.recovered()  # the first step after the change: outside the recovery
-        mine._refilling.join(10)
+        mine.recovery._refilling.join(10)
         assert connections_to(store.port) == before + 1  # the spare, replaced
     assert theirs.generation == 0
 
@@ -934,10 +936,10 @@ import test_membership
 store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 member = Membership(DistEnv(rank=1, world_size=2, launched=True), torch.device("cpu"),
                     PrefixStore("launch", store), generation=0, pg_timeout_s=60, bound_s=120)
-identities = member._identities()
+identities = member.identities()
 store.set("late-rank-creating", "1")
 try:
-    member._next_generation(test_membership.a_change(1, 2, 1), identities, [0, 1])
+    member.recovery.next_generation(test_membership.a_change(1, 2, 1), identities, [0, 1])
 except PeerFailure:
     pass  # woken, it finds generation 1 over
 store.wait(["bye"])
@@ -963,11 +965,11 @@ def test_a_group_creation_given_up_on_that_completes_late_changes_nothing(store)
         store.wait(["late-rank-creating"], datetime.timedelta(seconds=60))
         time.sleep(1)  # it waits for rank 0 in the group's rendezvous
         late.send_signal(signal.SIGSTOP)
-        identities = mine._identities()
+        identities = mine.identities()
         with no_group_left():
             with pytest.raises(PeerFailure, match="ranks died"):  # its pulse stopped
-                mine._next_generation(a_change(0, 2, 1), identities, [0, 1])
-            mine._next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])
+                mine.recovery.next_generation(a_change(0, 2, 1), identities, [0, 1])
+            mine.recovery.next_generation(a_change(0, 1, 2), {0: identities[0]}, [0])
             world = torch.distributed.group.WORLD
             late.send_signal(signal.SIGCONT)
             deadline = time.monotonic() + 5
@@ -976,7 +978,7 @@ def test_a_group_creation_given_up_on_that_completes_late_changes_nothing(store)
                 assert torch.distributed.get_world_size() == 1
                 time.sleep(0.05)
             assert (mine.generation, mine.broken) == (2, None)
-            assert mine._connections.group.idle() == 2  # its connection back: it completed
+            assert mine.connections.group.idle() == 2  # its connection back: it completed
     finally:
         late.send_signal(signal.SIGCONT)
         store.set("bye", "1")
@@ -1001,7 +1003,7 @@ def test_a_late_watcher_of_a_generation_that_is_over_changes_nothing(members):
     with no_group_left():
         theirs.declare("died", [1])
         time.sleep(0.3)  # mine's g0 watcher is woken, and held up
-        mine._next_generation(a_change(0, 1, 1), {0: mine._identities()[0]}, [0])
+        mine.recovery.next_generation(a_change(0, 1, 1), {0: mine.identities()[0]}, [0])
         pending = mine.guard(torch.futures.Future())
         held.set()
         old_watcher.join(timeout=10)
@@ -1115,7 +1117,7 @@ def test_an_nccl_group_is_installed_without_connecting_again(monkeypatch):
     """On NCCL the backend is connected as it is built (in the recovery's thread): torch would
     connect it again if ``init_process_group`` were given the device; the group is bound to it
     afterwards instead. (A gloo backend stands in for NCCL's here.)"""
-    from elastic_mnist.resilience.membership import connect_group, install_group
+    from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
     cpu, cuda, store = torch.device("cpu"), torch.device("cuda", 0), torch.distributed.HashStore()
     init, given = torch.distributed.init_process_group, []
@@ -1161,22 +1163,22 @@ def test_an_nccl_group_keeps_its_connection_to_the_store(store, members, monkeyp
     """gloo is done with the store once its group is connected, and gives its connection back
     to the spares; NCCL's later communicators meet on it, so an NCCL group keeps it (the
     spares are refilled once the change is over)."""
-    from elastic_mnist.resilience import membership
+    from elastic_mnist.resilience import recovery
 
     mine = members(0, 1)
     built: list[str] = []
-    monkeypatch.setattr(membership, "connect_group",
+    monkeypatch.setattr(recovery, "connect_group",
                         lambda device, *args: built.append(device.type) or "backend")
-    monkeypatch.setattr(membership, "install_group", lambda *args: None)
+    monkeypatch.setattr(recovery, "install_group", lambda *args: None)
     mine.declare("died", [])  # its watcher is done: the next generation's takes its connection
-    mine._next_generation(a_change(0, 1, 1), {0: mine._identities()[0]}, [0])
-    assert mine._connections.group.idle() == 2
+    mine.recovery.next_generation(a_change(0, 1, 1), {0: mine.identities()[0]}, [0])
+    assert mine.connections.group.idle() == 2
     mine.device = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)  # no group to abort
     mine.declare("died", [])
-    mine._next_generation(a_change(0, 1, 2), {0: mine._identities()[0]}, [0])
-    assert built == ["cpu", "cuda"] and mine._connections.group.idle() == 1
+    mine.recovery.next_generation(a_change(0, 1, 2), {0: mine.identities()[0]}, [0])
+    assert built == ["cpu", "cuda"] and mine.connections.group.idle() == 1
 
 
 def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_path,
@@ -1186,7 +1188,7 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
     can wait seconds on the store's resolver); and a store gone meanwhile leaves one warning,
     no exception."""
     server, (mine,) = memberships_on_a_store_that_goes(tmp_path, ranks=1)
-    spares, opened = mine._connections.group, threading.Event()
+    spares, opened = mine.connections.group, threading.Event()
     spares.take()  # a second fault took the spare
     clone = spares._store.clone
 
@@ -1195,23 +1197,23 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
         return clone()
 
     monkeypatch.setattr(spares, "_store", types.SimpleNamespace(clone=slow_clone))
-    mine._arm_deadline()
-    deadline = mine._deadline
+    mine.recovery._arm_deadline()
+    deadline = mine.recovery._deadline
     done = threading.Thread(target=mine.recovered)
     done.start()
     done.join(2)
-    assert not done.is_alive() and mine._deadline is None and deadline.finished.is_set()
+    assert not done.is_alive() and mine.recovery._deadline is None and deadline.finished.is_set()
     opened.set()
-    mine._refilling.join(10)
+    mine.recovery._refilling.join(10)
     assert spares.idle() == 2
     spares.take()
     monkeypatch.setattr(spares, "_store", TCPStore("127.0.0.1", server.port, is_master=False,
                                                    timeout=datetime.timedelta(seconds=1)))
     del server  # gone
     mine.recovered()
-    mine._refilling.join(20)
+    mine.recovery._refilling.join(20)
     assert spares.idle() == 1
-    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name.endswith("membership")
+    assert [r.getMessage().split(" (")[0] for r in caplog.records if r.name.endswith("recovery")
             and "spare" in r.getMessage()] == [
         "could not open a spare connection to the coordination store"]
     mine.close()
@@ -1226,4 +1228,5 @@ def test_a_recovery_step_in_a_generation_broken_already_runs_nothing(members):
     with pytest.raises(PeerFailure, match="the group changed"):
         mine.run("adopting the agreed state", lambda: ran.append(1))
     time.sleep(0.2)
-    assert ran == [] and mine.failure.startswith("adopting the agreed state: the group changed")
+    assert ran == [] and mine.recovery.failure.startswith(
+        "adopting the agreed state: the group changed")

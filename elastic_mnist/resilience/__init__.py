@@ -1,11 +1,15 @@
 """Resilience, beside the training package: who is in the job and how it goes on when that
 changes.
 
-- ``membership``: the ranks of the job, their generations, pulses and the survivors' agreement;
+- ``membership``: the ranks of the job's generation, its guarded collectives and its fault;
+  ``recovery``: one change, from the fault to a new group; ``agreement``: the records the
+  survivors agree on, and how; ``connections``: the store connections every generation reuses;
+  ``current``: the job's current generation, for the fence;
 - ``torchrun_agents``: the glue to torchrun's agents (read against torch 2.14.1), handed to the
   membership as the one face it knows of the launcher;
 - ``survivors_group``: a survivors' process group built apart and installed (torch 2.14.1);
-- ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder;
+- ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder
+  (``lease_record``: what its file says);
 - ``fence``: whether this process may still write, asked by every writer;
 - ``preemption``: signals become an agreed stop; ``faults``: faults on demand, for tests.
 

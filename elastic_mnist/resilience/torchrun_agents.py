@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from elastic_mnist.distributed import end_process
 from elastic_mnist.env import DistEnv, Rendezvous
-from elastic_mnist.errors import EXIT_DROPPED
+from elastic_mnist.errors import EXIT_DROPPED, first_line
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class TorchrunAgents(NoAgents):
         except (RuntimeError, pickle.UnpicklingError, ValueError) as e:
             log.warning("could not release the agents of the nodes that are gone (%s): the "
                         "others wait for them up to torchrun's exit barrier timeout (300 s)",
-                        _first_line(e))
+                        first_line(e))
             return
         log.info("arrived at the exit barrier of rendezvous round %d for %d agent(s) that are "
                  "gone", round_, missing)
@@ -315,8 +315,3 @@ def arrive_at_exit_barrier(store: dist.Store, run_id: str, round_: int, count: i
 
 def _unprefixed(store: dist.Store) -> dist.Store:
     return store._underlying_non_prefix_store if isinstance(store, dist.PrefixStore) else store
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__

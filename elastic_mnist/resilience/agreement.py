@@ -1,0 +1,176 @@
+"""The records the survivors of a fault agree on, and the helpers that agree on them.
+
+Who a worker is (:class:`Identity`), where it stood when the fault struck (:class:`Position`),
+the generation's one fault (:class:`Fault`) and what a recovery hands the trainer
+(:class:`Change`); whose pulse stopped (:class:`Pulses`), who closes the membership
+(:func:`close_membership`) and each survivor's place in the new world (:func:`successor_env`).
+Pure records and store reads: no thread, no process group (membership.py and recovery.py use them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from elastic_mnist.env import DistEnv
+
+PULSE_S = 0.1
+"""How often each process raises its pulse in the coordination store."""
+SILENT_PULSES = 15
+"""A process whose pulse stood still while the reader's own moved this many times is gone or
+frozen (about 1.5 s). Above the second that a live rank's pulse thread can wait for the CPU
+where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6 s was seen,
+and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
+recovery may add to it (it is named by this silence when nothing else fails first)."""
+WHY = ("died", "left", "hung")
+"""Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
+
+
+def generation_key(generation: int, name: str) -> str:
+    """``name`` in ``generation``'s own prefix of the coordination store."""
+    return f"g{generation}/{name}"
+
+
+@dataclass(frozen=True)
+class Identity:
+    """A worker as its peers find it: where it runs, and which torchrun agent started it."""
+
+    host: str
+    pid: int
+    agent: int
+    """The agent's pid: workers of one node share it."""
+    local_rank: int
+    agent_addr: str = ""
+    """The agent's name in the rendezvous, as its state names the participant of the agent's
+    pid (``--local_addr``, else the agent's own resolver's name for its host); empty without a
+    multi-node rendezvous."""
+    nonce: str = ""
+    """Drawn at random by the process as it starts: processes of one host name and pid
+    (containers, each its node's pid 1, on hosts of one name) are told apart by it."""
+
+    @property
+    def key(self) -> str:
+        """This process's own name in the coordination store, unlike any other's."""
+        return f"{self.host}/{self.pid}/{self.nonce}"
+
+
+UNKNOWN = Identity("unknown", 0, 0, 0)
+"""The identity of a rank lost before it said who it was."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """Where a rank stood when the fault struck."""
+
+    step: int
+    """Its last committed step."""
+    mid_step: bool
+    """It had begun the next one: that work is lost."""
+    evaluated_step: int
+    """The last step whose evaluation it completed."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """The declaration every rank of a generation recovers from: the first one made."""
+
+    why: str
+    suspects: list[int]
+    """Ranks known to be gone: the ones that left, or that the watchdog found hung."""
+    reported_by: int
+    detail: str
+    time: float
+
+
+@dataclass(frozen=True)
+class Change:
+    """What a recovery returns to the trainer: the new world and how it came to be."""
+
+    env: DistEnv
+    generation: int
+    old_world_size: int
+    lost: list[dict[str, Any]]
+    """``{"rank", "host", "why"}`` for each rank of the old generation that is not in the new."""
+    why: str
+    step: int
+    """The agreed step: the newest one a survivor committed."""
+    holder: int
+    """The new rank whose state every survivor takes: the first one at the agreed step."""
+    steps_redone: int
+    """1 when a survivor had begun the step after the agreed one, whose work is lost; else 0."""
+    evaluated_step: int
+    """The last step whose evaluation the new rank 0 completed (and logged)."""
+    detected: float
+    """``time.monotonic()`` when this rank learned of the fault."""
+    detected_at: float
+    """``time.time()`` then."""
+
+
+def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
+                     pulses: Pulses, limit_s: float) -> list[int]:
+    """The survivors, as the first rank to close the membership saw them: every rank that checked
+    in (``{prefix}in/<rank>``) once all ``expected`` have, but for those whose pulse stopped,
+    or once ``limit_s`` has passed; never one of ``excluded``."""
+    key = f"{prefix}members"
+    count, present, silent = -1, set(), set()
+    start = next_read = time.monotonic()
+    while not store.check([key]):
+        arrivals = store.add(f"{prefix}arrivals", 0)
+        if arrivals != count:
+            count = arrivals
+            present = {rank for rank in expected | set(excluded)
+                       if store.check([f"{prefix}in/{rank}"])} - set(excluded)
+        now = time.monotonic()
+        if now >= next_read:
+            silent, next_read = pulses.silent(), now + PULSE_S
+        if present >= expected - silent or now - start >= limit_s:
+            store.compare_set(key, "", json.dumps(sorted(present)))
+            break
+        time.sleep(0.005)
+    return json.loads(store.get(key))
+
+
+class Pulses:
+    """Who is still there, by the pulses in the coordination store: a process is silent when its
+    pulse stood still while the reader's own moved SILENT_PULSES times. Measured by the reader's
+    own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both."""
+
+    def __init__(self, store: dist.Store, keys: dict[int, str | None], own: str):
+        """``keys``: each rank's pulse key (None for a rank that never said who it was)."""
+        self.store, self.keys, self.own = store, keys, own
+        self.seen: dict[int, tuple[int, int]] = {}
+        """rank → (its pulse, the reader's own when it last moved)."""
+
+    def silent(self) -> set[int]:
+        known = [rank for rank, key in self.keys.items() if key is not None]
+        values = [int(v) for v in self.store.multi_get([self.own]
+                                                        + [self.keys[r] for r in known])]
+        mine, theirs = values[0], dict(zip(known, values[1:]))
+        for rank in self.keys:
+            pulse = theirs.get(rank, -1)
+            if self.seen.get(rank, (None,))[0] != pulse:
+                self.seen[rank] = (pulse, mine)
+        return {rank for rank, (_, since) in self.seen.items() if mine - since >= SILENT_PULSES}
+
+
+def pulse_key(identity: Identity) -> str | None:
+    """Where the process of ``identity`` raises its pulse (None: it never said who it was)."""
+    return None if identity == UNKNOWN else f"pulse/{identity.key}"
+
+
+def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:
+    """This rank's place among the survivors: ranks in the order of the old ones, local ranks
+    among the survivors started by the same agent, node ranks in the order nodes first appear."""
+    mine = identities[env.rank]
+    node = (mine.host, mine.agent)
+    siblings = [r for r in members if (identities[r].host, identities[r].agent) == node]
+    nodes = list(dict.fromkeys((identities[r].host, identities[r].agent) for r in members))
+    return dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members),
+                               local_rank=siblings.index(env.rank),
+                               local_world_size=len(siblings), group_rank=nodes.index(node),
+                               group_world_size=len(nodes))

@@ -1,0 +1,273 @@
+"""One change, from the fault to the first step after it: the survivors agree on who is left and
+build their new group, round after round, within a bound.
+
+1. **Agree on who is left** (:meth:`Recovery.recover`). Each survivor checks in with where it
+   stands (its committed step, whether it was in the middle of the next). The membership closes
+   as soon as every rank not named in the fault has come, except those whose *pulse* stopped (the
+   dead never come; a live rank still busy with its own work, an evaluation, a save, a recompile,
+   is waited for), and at the latest after the hang timeout (half the bound); the first survivor to close it writes
+   it, and every survivor reads the same list (agreement.py). The watchdog's heartbeats cannot
+   tell the gone from the busy: they beat once a second, and stop as the survivors recover.
+2. **A new group.** Survivors are renumbered in the order of their old ranks (rank 0 stays rank
+   0 while it lives) and build a new process group on a fresh prefix of the coordination store:
+   a new *generation*. The trainer then takes one agreed state (regroup.py). Every collective of
+   this step (the group's creation, the state's broadcast, DDP's checks, the digests) runs in a
+   thread, waited on through the membership as the loop's are (:meth:`Recovery.run`), while the
+   waiting thread watches the new members' pulses: a member lost or frozen here is declared in
+   the new generation, and the survivors begin the next round at once, from the same agreed
+   state, the lost of every round in one change.
+
+If no step completes within ``bound_s`` of the fault, this rank falls back: it leaves
+(EXIT_GAVE_UP), and torchrun restarts the job from its last checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from elastic_mnist.distributed import backend_for, end_process
+from elastic_mnist.errors import EXIT_GAVE_UP, CannotRecover, PeerFailure, first_line
+from elastic_mnist.resilience.agreement import (
+    PULSE_S,
+    Change,
+    Identity,
+    Position,
+    Pulses,
+    close_membership,
+    pulse_key,
+    successor_env,
+)
+from elastic_mnist.resilience.survivors_group import connect_group, install_group
+
+if TYPE_CHECKING:
+    from elastic_mnist.resilience.membership import Membership
+
+log = logging.getLogger(__name__)
+
+
+class Recovery:
+    """The recovery of one worker's membership: lives as long as it, one change at a time."""
+
+    def __init__(self, member: Membership):
+        self.member = member
+        self.phase = "detecting the fault"
+        """Where a recovery stands, to say where it failed."""
+        self.failure = ""
+        """Why the last round of a recovery failed."""
+        self.change: Change | None = None
+        """The change being recovered, until the first step after it: a fault meanwhile
+        widens it (see :meth:`recover`)."""
+        self._origin: list[int] = []
+        """For each rank of the current generation, its rank where the change began."""
+        self._pulse_keys: dict[int, str | None] = {}
+        """The current generation's members' pulse keys, once a recovery has named them."""
+        self._deadline: threading.Timer | None = None
+        self._refilling: threading.Thread | None = None
+        """Opens the spare connections a change took, once it is over."""
+
+    def recover(self, position: Position, why: str = "died", suspects: tuple[int, ...] = (),
+                detail: str = "") -> Change:
+        """Agrees with the other survivors on who is left, and builds their new process group.
+
+        Returns the change: since the last one's first step, if a fault came before it (in
+        the recovery itself), so that the lost of every round are in one. Raises
+        CannotRecover when this rank is not among the survivors or the coordination store does
+        not answer; PeerFailure when the new group lost a member too (the next round follows).
+        """
+        m = self.member
+        detected, detected_at = time.monotonic(), time.time()
+        self._arm_deadline()
+        self.phase = "agreeing on who is left"
+        try:
+            fault = m.declare(why, list(suspects), detail)
+            m.abort(fault)
+            m.inject(self.phase)
+            m.store.set(m.key(f"in/{m.env.rank}"), json.dumps(asdict(position)))
+            m.store.add(m.key("arrivals"), 1)
+            m.inject("checked in")
+            identities = m.identities()
+            pulses = Pulses(m.store, {r: pulse_key(i) for r, i in identities.items()},
+                            m.pulse_key)
+            expected = set(range(m.env.world_size)) - set(fault.suspects)
+            members = close_membership(m.store, m.key(""), expected, fault.suspects,
+                                       pulses, limit_s=m.bound_s / 2)
+            if m.env.rank not in members:
+                raise CannotRecover(f"the other ranks went on without this one (rank "
+                                    f"{m.env.rank}) after the fault at generation "
+                                    f"{m.generation}")
+            positions = [Position(**json.loads(value)) for value in m.store.multi_get(
+                [m.key(f"in/{r}") for r in members])]
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
+                from None
+        step = max(p.step for p in positions)
+        env = successor_env(m.env, members, identities)
+        lost = [{"rank": r, "host": identities[r].host,
+                 "why": fault.why if r in fault.suspects else "died"}
+                for r in range(m.env.world_size) if r not in members]
+        change = Change(env=env, generation=m.generation + 1,
+                        old_world_size=m.env.world_size, lost=lost, why=fault.why, step=step,
+                        holder=next(i for i, p in enumerate(positions) if p.step == step),
+                        steps_redone=int(any(p.mid_step and p.step == step for p in positions)),
+                        evaluated_step=positions[0].evaluated_step, detected=detected,
+                        detected_at=detected_at)
+        change = self._widen(change, members)
+        try:
+            self.next_generation(change, identities, members)
+        except PeerFailure:
+            raise
+        except RuntimeError as e:  # the store went as the generation began: said in one line
+            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
+                from None
+        return change
+
+    def _widen(self, change: Change, members: list[int]) -> Change:
+        """``change`` as one with the change still being recovered, if any: from the world that
+        one began in, every rank lost on the way (numbered as there)."""
+        earlier = self.change
+        origin = self._origin if earlier is not None else list(range(self.member.env.world_size))
+        self._origin = [origin[r] for r in members]
+        lost = [{**gone, "rank": origin[gone["rank"]]} for gone in change.lost]
+        if earlier is not None:
+            change = dataclasses.replace(
+                change, old_world_size=earlier.old_world_size,
+                lost=sorted(earlier.lost + lost, key=lambda gone: gone["rank"]), why=earlier.why,
+                steps_redone=max(earlier.steps_redone, change.steps_redone),
+                detected=earlier.detected, detected_at=earlier.detected_at)
+        self.change = change
+        return change
+
+    def next_generation(self, change: Change, identities: dict[int, Identity],
+                        members: list[int]) -> None:
+        """Leaves the failed group to its threads and joins the survivors' new one."""
+        m = self.member
+        m.move_on(change, [identities[r] for r in members])
+        self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
+        # The group is built in a thread, and made the default one here, in the training
+        # thread, only once it is complete: a creation given up on (a member frozen) may still
+        # complete later, and then changes nothing. Its connection, which it may hold until
+        # the group's timeout, is one of the spares. gloo is done with it once connected;
+        # NCCL is not (its later communicators, a split, meet on the group's store): the
+        # connection stays with an NCCL group, and the spares are refilled after the change.
+        spares = m.connections.group
+        connection, generation, env = spares.take(), m.generation, m.env
+        store = dist.PrefixStore(m.key("pg", generation), connection)
+
+        def create() -> dist.Backend:
+            try:
+                if generation != m.generation:  # given up on before it began
+                    raise PeerFailure(f"generation {generation} is over")
+                return connect_group(m.device, store, env.rank, env.world_size, m.pg_timeout)
+            finally:
+                if backend_for(m.device) != "nccl":
+                    spares.give_back(connection)
+
+        m.inject("creating the new group")
+        backend = self.run("creating the new group", create)
+        install_group(backend, m.device, store, env.rank, env.world_size, m.pg_timeout)
+
+    def run(self, phase: str, work: Callable[[], Any]) -> Any:
+        """``work()``, the collectives of a recovery's ``phase``, in a thread of its own, waited
+        on as a guarded collective: the wait fails (PeerFailure) when ``work`` raises, and when a
+        fault is declared in this generation, which this thread does itself when a member's
+        pulse stops. A thread given up on is left to its wait (gloo's: the group's timeout);
+        it completes only if the member it waits for comes back to life, and that one, dropped,
+        leaves (EXIT_DROPPED), so that torchrun restarts the job anyway.
+
+        ``work`` changes nothing outside itself (no default group, no model, no trainer): it
+        returns what the caller then applies, in the training thread, in the generation it ran
+        for; a thread given up on that completes later changes nothing."""
+        m = self.member
+        self.phase = phase
+        done: torch.futures.Future = torch.futures.Future()
+
+        def body() -> None:
+            try:
+                if m.device.type == "cuda":  # the current device is the thread's own
+                    torch.cuda.set_device(m.device)
+                done.set_result(work())
+            except Exception as e:  # noqa: BLE001 - the backend's error, handed to the waiter
+                done.set_exception(e)
+
+        try:  # a generation broken already runs nothing more
+            guarded = m.guard(done)
+        except PeerFailure as e:
+            self.failure = f"{phase}: {e}"
+            raise
+        threading.Thread(target=body, daemon=True, name=f"membership-g{m.generation}").start()
+        finished = threading.Event()
+        guarded.add_done_callback(lambda _: finished.set())
+        members = self._pulse_keys
+        pulses = Pulses(m.store, members, m.pulse_key) if members else None
+        while not finished.wait(PULSE_S):
+            try:
+                silent = pulses.silent() - {m.env.rank} if pulses is not None else set()
+                if silent:
+                    m.declare("died", sorted(silent), f"no pulse from rank(s) "
+                              f"{', '.join(map(str, sorted(silent)))} while {phase}")
+            except RuntimeError as e:  # DistStoreError: the store went, nobody to agree with
+                self.failure = f"{phase}: the coordination store does not answer"
+                raise CannotRecover(f"{self.failure}: {first_line(e)}") from None
+        try:
+            return guarded.wait()
+        except PeerFailure as e:
+            self.failure = f"{phase}: {e}"
+            raise
+
+    # --- the bound, and the end of a change -------------------------------------------------------
+
+    def _arm_deadline(self) -> None:
+        if self._deadline is None:
+            self._deadline = threading.Timer(self.member.bound_s, self._give_up)
+            self._deadline.daemon = True
+            self._deadline.start()
+
+    def recovered(self) -> None:
+        """The first step after a change completed: the bound is off, the change over."""
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+        self.change = None
+        self.phase, self.failure = "detecting the fault", ""
+        spares = self.member.connections.group
+        if spares.idle() < spares.count:
+            # The spare a second fault took, or an NCCL group keeps: opened off the training
+            # thread (a new connection can wait seconds on the store's resolver, on every
+            # survivor at once), and a store gone meanwhile is one warning, no traceback.
+            self._refilling = threading.Thread(target=self._refill, daemon=True,
+                                               name="membership-spares")
+            self._refilling.start()
+
+    def _refill(self) -> None:
+        try:
+            self.member.connections.group.replenish()
+        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
+            log.warning("could not open a spare connection to the coordination store (%s): a "
+                        "recovery opens one if it needs it", first_line(e))
+
+    def _give_up(self) -> None:
+        self.fall_back(f"no step completed within {self.member.bound_s:.0f} s of the fault"
+                       + (f" (the last round failed {self.failure})" if self.failure else ""))
+        end_process(EXIT_GAVE_UP)
+
+    def fall_back(self, reason: str) -> None:
+        """One line, and a ``fallback`` record in events.jsonl where this rank can write it:
+        the recovery in process failed (in which phase, why), torchrun restarts the job."""
+        m = self.member
+        log.error("recovery in process failed while %s: %s; leaving, so that torchrun restarts "
+                  "the job from its last checkpoint", self.phase, reason)
+        record = {"phase": self.phase, "reason": reason, "rank": m.env.rank,
+                  "generation": m.generation}
+        try:
+            m.on_fallback(record)
+        except Exception as e:  # noqa: BLE001 - leaving anyway: the line above says it
+            log.warning("the fallback record was not written: %s", first_line(e))
