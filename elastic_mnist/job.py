@@ -121,7 +121,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         payload, source = resume
         trainer.restore(payload, source)
         log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
-                 trainer.whereabouts(), payload["world_size"], env.world_size)
+                 trainer.report.whereabouts(), payload["world_size"], env.world_size)
     writers.metrics.layout(DASHBOARD)
     writers.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     writers.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
@@ -157,7 +157,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                         "exiting with %d", step, stop.signal_name, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         return report_stop(trainer, stop, cfg, env)
-    test_loss, test_accuracy = trainer.last_eval or (None, None)
+    test_loss, test_accuracy = trainer.report.last_eval or (None, None)
     events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     events.close()
     duties.membership.release_agents()

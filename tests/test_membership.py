@@ -867,14 +867,15 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
     trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
                       run_id="aborted", restart_generation=1)
     member = members(0, world_size=2)
-    trainer.comm = Comm(member.env, member, NullWatchdog())  # rank 0 of 2, its group gone
+    comm = Comm(member.env, member, NullWatchdog())  # rank 0 of 2, its group gone
+    trainer.report.enter(member.env, 1, trainer.writers, comm)
     member.abort(Fault("died", [1], 1, "", time.time()))
     assert not torch.distributed.is_initialized()
     with pytest.raises(PeerFailure):
-        trainer.comm.all_reduce_(torch.ones(3))
+        comm.all_reduce_(torch.ones(3))
     with pytest.raises(PeerFailure):
-        trainer.log_evaluation()
-    assert trainer.last_eval is None
+        trainer.report.evaluation()
+    assert trainer.report.last_eval is None
 
     class Bucket:
         def buffer(self) -> torch.Tensor:
@@ -1042,12 +1043,12 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
     before, net = state_digest(trainer.model.state_dict()), trainer.engine.net
     threading.Timer(0.5, lambda: theirs.declare("died", [0], "lost")).start()
     with pytest.raises(PeerFailure):
-        trainer.adopt(a_change(1, 2, 1))
+        trainer.regroup.adopt(a_change(1, 2, 1))
     arrives.set()
     gathered.wait(5)
     time.sleep(0.5)  # whatever the thread given up on still does, it has done
     assert state_digest(trainer.model.state_dict()) == before
-    assert trainer.engine.net is net and trainer.change is None
+    assert trainer.engine.net is net and trainer.regroup.change is None
 
 
 @pytest.mark.parametrize("loaded", ["as agreed", "corrupted"])
@@ -1070,7 +1071,7 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
     agreed["model"] = {k: v.clone() + 1 for k, v in agreed["model"].items()}
     monkeypatch.setattr(distributed, "broadcast_object", lambda obj, *a, **k: agreed)
     monkeypatch.setattr(distributed, "all_gather_object", lambda obj, *a, **k: [obj, obj])
-    load_state = trainer.load_state
+    load_state = trainer.regroup.load_state
 
     def load_and_corrupt(payload) -> None:
         load_state(payload)
@@ -1078,15 +1079,15 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
             with torch.no_grad():
                 next(trainer.model.parameters()).view(-1)[0] += 1  # a bit flipped on the way
 
-    monkeypatch.setattr(trainer, "load_state", load_and_corrupt)
+    monkeypatch.setattr(trainer.regroup, "load_state", load_and_corrupt)
     change = dataclasses.replace(a_change(0, 1, 2), env=DistEnv(), holder=1)  # takes the state
     if loaded == "as agreed":
-        trainer.adopt(change)
-        assert trainer.change is change
+        trainer.regroup.adopt(change)
+        assert trainer.regroup.change is change
         return
     with pytest.raises(CannotRecover, match="holds another model than the agreed one"):
-        trainer.adopt(change)
-    assert trainer.change is None
+        trainer.regroup.adopt(change)
+    assert trainer.regroup.change is None
 
 
 def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
