@@ -38,7 +38,6 @@ from elastic_mnist.data.datasets import (
     prepare,
 )
 from elastic_mnist.data.fingerprint import SHORT
-from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
 from elastic_mnist.errors import (
@@ -61,7 +60,7 @@ from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
-from elastic_mnist.trainer import Trainer, planned_steps
+from elastic_mnist.trainer import Trainer
 from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
@@ -108,20 +107,19 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                     Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
     if lease is not None:
         lease.fence_renewals(duties.fence)
-    resume = find_resume_payload(checkpoint_dir, env, device)
-    step = resume[0]["progress"]["step"] if resume is not None else 0
-    order = SampleOrder(len(dataset.train), cfg.optim.global_batch_size,
-                        cfg.optim.micro_batch_size, cfg.optim.seed)
-    # Steps after the checkpoint were lost with the old workers: the dashboards hide what they
-    # logged (opened at the step after it).
-    writers = duties.first(env, generation, faults, step, planned_steps(cfg, order))
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
-                      writers=writers, membership=duties.membership, after_change=duties.after)
-    if resume is not None:
+                      membership=duties.membership, after_change=duties.after)
+    resume = find_resume_payload(checkpoint_dir, env, device)
+    if resume is not None:  # checked against this run before any run file is opened
         payload, source = resume
         trainer.restore(payload, source)
         log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
                  trainer.report.whereabouts(), payload["world_size"], env.world_size)
+    step = trainer.progress.step
+    # Steps after the checkpoint were lost with the old workers: the dashboards hide what they
+    # logged (opened at the step after it).
+    writers = duties.first(env, generation, faults, step, trainer.total_steps)
+    trainer.take(writers)
     writers.metrics.layout(DASHBOARD)
     writers.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     writers.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,

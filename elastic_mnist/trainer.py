@@ -115,8 +115,9 @@ class Trainer:
                  run_id: str, restart_generation: int, writers: Writers | None = None,
                  membership: NullMembership | None = None,
                  after_change: Callable[[Change], Writers] | None = None):
-        """``writers``: this generation's (writers.py); ``after_change(change)``: the next
-        generation's, after a change of membership in process (job.py's ``Duties.after``)."""
+        """``writers``: this generation's (writers.py), or none yet: the job hands them to
+        :meth:`take` once a resume is checked; ``after_change(change)``: the next generation's,
+        after a change of membership in process (job.py's ``Duties.after``)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
