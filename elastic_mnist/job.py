@@ -60,6 +60,7 @@ from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
+from elastic_mnist.state import Progress
 from elastic_mnist.trainer import Trainer
 from elastic_mnist.writers import Writers
 
@@ -133,7 +134,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                             new_world_size=env.world_size)
 
     writers.watchdog.start()
-    duties.membership.on_fallback = partial(record_fallback, trainer, run_dir, duties.fence)
+    duties.membership.on_fallback = partial(record_fallback, duties, trainer.progress)
     try:
         with stop_on_signals() as stop:
             try:
@@ -181,6 +182,8 @@ class Duties:
 
     writers: Writers = dataclasses.field(default_factory=Writers, init=False)
     """The current generation's bundle, which the next one is built from."""
+    env: DistEnv = dataclasses.field(default_factory=DistEnv, init=False)
+    """This process's place in the current generation, whose bundle ``writers`` is."""
     total_steps: int = dataclasses.field(default=0, init=False)
 
     def first(self, env: DistEnv, generation: int, faults: Faults, step: int,
@@ -189,7 +192,7 @@ class Duties:
         records are opened at the step after it (whatever an earlier rank 0 logged there or
         later is hidden: its steps are done again). The watchdog is built, not yet started."""
         self.total_steps = total_steps
-        self.writers = self._bundle(env, generation, faults, step, Writers(
+        self.env, self.writers = env, self._bundle(env, generation, faults, step, Writers(
             checkpointer=self.checkpointer(env, generation, faults),
             audit=self.audit(env, generation)))
         return self.writers
@@ -214,8 +217,8 @@ class Duties:
             checkpointer.restart_generation = generation
         elif env.is_main:
             checkpointer = self.checkpointer(env, generation, faults, taking_over_at=change.step)
-        self.writers = self._bundle(env, generation, faults, change.step, dataclasses.replace(
-            old, checkpointer=checkpointer, audit=audit))
+        kept = dataclasses.replace(old, checkpointer=checkpointer, audit=audit)
+        self.env, self.writers = env, self._bundle(env, generation, faults, change.step, kept)
         self.writers.watchdog.start()
         return self.writers
 
@@ -376,16 +379,17 @@ def record_hang(env: DistEnv, events: NullEventLog, run_dir: Path, fence: NullFe
         events.close()
 
 
-def record_fallback(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict) -> None:
-    """The ``fallback`` event: a recovery in process failed, torchrun restarts the job. Rank 0
-    writes it in its log; another rank, its node's first, in the run folder's events.jsonl where
-    this node can see it."""
-    step = trainer.progress.step
-    if trainer.env.is_main:
-        trainer.writers.events.emit("fallback", step, **record)
-    elif trainer.env.is_local_main and run_dir.is_dir():
-        events = EventLog(run_dir / "events.jsonl", fence)  # a rank dropped meanwhile: nothing
-        events.emit("fallback", step, **record)
+def record_fallback(duties: Duties, progress: Progress, record: dict) -> None:
+    """The ``fallback`` event at ``progress``'s step: a recovery in process failed, torchrun
+    restarts the job. Rank 0 writes it through its generation's writers (``duties.writers``);
+    another rank, its node's first, in the run folder's events.jsonl where this node can see it.
+    Runs in the training thread or in the membership's give-up timer: it reads no trainer."""
+    step, env, run_dir = progress.step, duties.env, duties.run_dir
+    if env.is_main:
+        duties.writers.events.emit("fallback", step, **record)
+    elif env.is_local_main and run_dir.is_dir():
+        events = EventLog(run_dir / "events.jsonl", duties.fence)  # fenced: a dropped rank
+        events.emit("fallback", step, **record)  # writes nothing
         events.close()
 
 

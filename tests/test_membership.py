@@ -783,6 +783,29 @@ class _Exploit:
         return (os.system, ("true",))
 
 
+def test_the_fallback_record_goes_where_this_rank_can_write_it(tmp_path):
+    """Rank 0 writes it through its generation's writers; another node's first rank in the run
+    folder's events.jsonl; any other rank nowhere. Its step is the progress's when it comes (in
+    the give-up timer's thread too): no trainer is read."""
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.job import Duties, record_fallback
+    from elastic_mnist.resilience.membership import NullMembership
+    from elastic_mnist.state import Progress
+    from elastic_mnist.writers import Writers
+
+    duties = Duties(TrainConfig(), "run", tmp_path, tmp_path / "ckpt", None, NullMembership())
+    progress, events = Progress(step=7), Recorded()
+    duties.writers = Writers(events=events)
+    record_fallback(duties, progress, {"phase": "creating the new group"})
+    progress.become(Progress(step=9))
+    for rank, local_rank in ((2, 0), (3, 1)):
+        duties.env = DistEnv(rank=rank, local_rank=local_rank, world_size=4, launched=True)
+        record_fallback(duties, progress, {"phase": "creating the new group"})
+    written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(record["event"], record["step"]) for record in written] == [("fallback", 9)]
+    assert events.records == [("fallback", 7)]
+
+
 def test_identities_of_ranks_lost_before_they_said_who_they_were_are_unknown(store, members):
     member = members(rank=0, world_size=3)
     found = member._identities()
