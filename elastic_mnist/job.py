@@ -59,6 +59,7 @@ from elastic_mnist.resilience.fence import Fence, NullFence
 from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Change, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
+from elastic_mnist.resilience.torchrun_agents import agents_for
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
 from elastic_mnist.state import Progress
 from elastic_mnist.trainer import Trainer
@@ -300,7 +301,8 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout,
-                      folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch)
+                      folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch,
+                      agents=agents_for(env))
 
 
 def check_recovery(recovery: str, device: torch.device) -> None:
