@@ -38,7 +38,6 @@ from elastic_mnist.data.datasets import (
     prepare,
 )
 from elastic_mnist.data.fingerprint import SHORT
-from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
 from elastic_mnist.errors import (
@@ -61,8 +60,10 @@ from elastic_mnist.resilience.fence import Fence, NullFence
 from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
+from elastic_mnist.resilience.torchrun_agents import agents_for
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
-from elastic_mnist.trainer import Trainer, planned_steps
+from elastic_mnist.state import Progress
+from elastic_mnist.trainer import Trainer
 from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
@@ -109,20 +110,19 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                     Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
     if lease is not None:
         lease.fence_renewals(duties.fence)
-    resume = find_resume_payload(checkpoint_dir, env, device)
-    step = resume[0]["progress"]["step"] if resume is not None else 0
-    order = SampleOrder(len(dataset.train), cfg.optim.global_batch_size,
-                        cfg.optim.micro_batch_size, cfg.optim.seed)
-    # Steps after the checkpoint were lost with the old workers: the dashboards hide what they
-    # logged (opened at the step after it).
-    writers = duties.first(env, generation, faults, step, planned_steps(cfg, order))
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
-                      writers=writers, membership=duties.membership, after_change=duties.after)
-    if resume is not None:
+                      membership=duties.membership, after_change=duties.after)
+    resume = find_resume_payload(checkpoint_dir, env, device)
+    if resume is not None:  # checked against this run before any run file is opened
         payload, source = resume
         trainer.restore(payload, source)
         log.info("resumed from %s: %s (saved at world size %d, now %d)", source,
-                 trainer.whereabouts(), payload["world_size"], env.world_size)
+                 trainer.report.whereabouts(), payload["world_size"], env.world_size)
+    step = trainer.progress.step
+    # Steps after the checkpoint were lost with the old workers: the dashboards hide what they
+    # logged (opened at the step after it).
+    writers = duties.first(env, generation, faults, step, trainer.total_steps)
+    trainer.take(writers)
     writers.metrics.layout(DASHBOARD)
     writers.metrics.text("launch", launch_summary(cfg, env, device, dataset, trainer), step)
     writers.metrics.hparams({**flat_hparams(cfg.to_dict()), "world_size": env.world_size,
@@ -136,7 +136,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                             new_world_size=env.world_size)
 
     writers.watchdog.start()
-    duties.membership.on_fallback = partial(record_fallback, trainer, run_dir, duties.fence)
+    duties.membership.on_fallback = partial(record_fallback, duties, trainer.progress)
     try:
         with stop_on_signals() as stop:
             try:
@@ -158,7 +158,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                         "exiting with %d", step, stop.signal_name, EXIT_PREEMPTED)
             return EXIT_PREEMPTED
         return report_stop(trainer, stop, cfg, env)
-    test_loss, test_accuracy = trainer.last_eval or (None, None)
+    test_loss, test_accuracy = trainer.report.last_eval or (None, None)
     events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     events.close()
     duties.membership.release_agents()
@@ -184,6 +184,8 @@ class Duties:
 
     writers: Writers = dataclasses.field(default_factory=Writers, init=False)
     """The current generation's bundle, which the next one is built from."""
+    env: DistEnv = dataclasses.field(default_factory=DistEnv, init=False)
+    """This process's place in the current generation, whose bundle ``writers`` is."""
     total_steps: int = dataclasses.field(default=0, init=False)
 
     def first(self, env: DistEnv, generation: int, faults: Faults, step: int,
@@ -192,7 +194,7 @@ class Duties:
         records are opened at the step after it (whatever an earlier rank 0 logged there or
         later is hidden: its steps are done again). The watchdog is built, not yet started."""
         self.total_steps = total_steps
-        self.writers = self._bundle(env, generation, faults, step, Writers(
+        self.env, self.writers = env, self._bundle(env, generation, faults, step, Writers(
             checkpointer=self.checkpointer(env, generation, faults),
             audit=self.audit(env, generation)))
         return self.writers
@@ -217,8 +219,8 @@ class Duties:
             checkpointer.restart_generation = generation
         elif env.is_main:
             checkpointer = self.checkpointer(env, generation, faults, taking_over_at=change.step)
-        self.writers = self._bundle(env, generation, faults, change.step, dataclasses.replace(
-            old, checkpointer=checkpointer, audit=audit))
+        kept = dataclasses.replace(old, checkpointer=checkpointer, audit=audit)
+        self.env, self.writers = env, self._bundle(env, generation, faults, change.step, kept)
         self.writers.watchdog.start()
         return self.writers
 
@@ -300,7 +302,8 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout,
-                      folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch)
+                      folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch,
+                      agents=agents_for(env))
 
 
 def check_recovery(recovery: str, device: torch.device) -> None:
@@ -379,16 +382,17 @@ def record_hang(env: DistEnv, events: NullEventLog, run_dir: Path, fence: NullFe
         events.close()
 
 
-def record_fallback(trainer: Trainer, run_dir: Path, fence: NullFence, record: dict) -> None:
-    """The ``fallback`` event: a recovery in process failed, torchrun restarts the job. Rank 0
-    writes it in its log; another rank, its node's first, in the run folder's events.jsonl where
-    this node can see it."""
-    step = trainer.progress.step
-    if trainer.env.is_main:
-        trainer.writers.events.emit("fallback", step, **record)
-    elif trainer.env.is_local_main and run_dir.is_dir():
-        events = EventLog(run_dir / "events.jsonl", fence)  # a rank dropped meanwhile: nothing
-        events.emit("fallback", step, **record)
+def record_fallback(duties: Duties, progress: Progress, record: dict) -> None:
+    """The ``fallback`` event at ``progress``'s step: a recovery in process failed, torchrun
+    restarts the job. Rank 0 writes it through its generation's writers (``duties.writers``);
+    another rank, its node's first, in the run folder's events.jsonl where this node can see it.
+    Runs in the training thread or in the membership's give-up timer: it reads no trainer."""
+    step, env, run_dir = progress.step, duties.env, duties.run_dir
+    if env.is_main:
+        duties.writers.events.emit("fallback", step, **record)
+    elif env.is_local_main and run_dir.is_dir():
+        events = EventLog(run_dir / "events.jsonl", duties.fence)  # fenced: a dropped rank
+        events.emit("fallback", step, **record)  # writes nothing
         events.close()
 
 

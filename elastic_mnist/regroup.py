@@ -1,28 +1,37 @@
-"""Going on after a change of membership, in process: rollback, one agreed state, the new world.
+"""Going on after a change of membership, in process: rollback, one agreed state, the leave policy.
 
 A step cut short is undone (:meth:`Regroup.rollback`); the survivors agree on a step through the
 membership and take the state of the first one that completed it, checking by digest that every
-survivor holds the same model (:meth:`Regroup.adopt`); what the agreed step still owes (its
-evaluation, its checkpoint) is done before the next step (:meth:`Regroup.catch_up`), and the first
-step after the change reports it (:meth:`Regroup.report_change`). The leave policy says when
-ranks that asked to stop leave while the others go on (:class:`LeavePolicy`).
+survivor holds the same model (:meth:`Regroup.adopt`); the first step after the change reports it
+(:meth:`Regroup.maybe_report_change`). The leave policy says when ranks that asked to stop leave
+while the others go on (:class:`LeavePolicy`). The loop sees :meth:`Regroup.recover`, the step's
+marks and the leave vote; what the agreed step still owes is the loop's (trainer.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 
 from elastic_mnist import distributed
+from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.checkpoint import snapshot
+from elastic_mnist.engine import Engine
 from elastic_mnist.errors import CannotRecover, PeerFailure
-from elastic_mnist.events import utc_time
+from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.model import state_digest
 from elastic_mnist.resilience.agreement import Change, Position
+from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.state import Progress
+
+if TYPE_CHECKING:
+    from elastic_mnist.writers import Writers
 
 log = logging.getLogger("elastic_mnist.trainer")  # the loop's lines, under the loop's name
 
@@ -58,22 +67,59 @@ class LeavePolicy:
 
 
 class Regroup:
-    """The Trainer's recovery in process, mixed into it."""
+    """Recovery in process for one worker: it owns the rollback of a step cut short, the
+    agreement (recover, adopt), the digest check and the leave policy. It is handed the engine,
+    the BatchNorm statistics, the optimizer, the progress and the payload's two faces (``state``
+    builds one, ``load_state`` takes one); the new world's writers are the loop's to take."""
 
-    def position(self) -> Position:
+    def __init__(self, membership: NullMembership, engine: Engine, bn_stats: GlobalBatchNormStats,
+                 optimizer: torch.optim.Optimizer, device: torch.device, progress: Progress,
+                 state: Callable[[], dict[str, Any]],
+                 load_state: Callable[[dict[str, Any]], None]):
+        self.membership, self.engine, self.bn_stats = membership, engine, bn_stats
+        self.optimizer, self.device, self.progress = optimizer, device, progress
+        self.state, self.load_state = state, load_state
+        self.leave_policy = LeavePolicy()
+        self.mid_step = False
+        """A step has begun and not completed: what it changed is undone if it fails."""
+        self.change: Change | None = None
+        """The last change of membership, until the first step after it completes."""
+
+    # --- the step's marks and the leave vote ---------------------------------------------------
+
+    def step_begins(self) -> None:
+        self.mid_step = True
+
+    def step_done(self) -> None:
+        self.mid_step = False
+
+    def leave_vote(self) -> bool:
+        """This rank's vote that the ranks asking to stop leave while the others go on."""
+        return self.leave_policy.vote()
+
+    def leavers(self, stopping: list[int], voted: bool, world_size: int) -> list[int]:
+        """The ranks that leave after this step (none unless the others can go on in process)."""
+        return self.leave_policy.leavers(stopping, voted, self.membership.in_process, world_size)
+
+    # --- a change of membership ----------------------------------------------------------------
+
+    def position(self, evaluated_step: int) -> Position:
         return Position(step=self.progress.step, mid_step=self.mid_step,
-                        evaluated_step=self.last_eval_step)
+                        evaluated_step=evaluated_step)
 
-    def recover(self, why: str = "died", suspects: tuple[int, ...] = (), detail: str = "") -> None:
-        """Goes on with the ranks that are left: one agreed state, a new group, rank 0's duties
-        where they now belong. Raises CannotRecover when this rank cannot go on."""
-        self.writers.watchdog.close(wait=False)  # it watched the group that is gone
-        self.membership.inject = partial(self.writers.faults.maybe_strike_recovery,
+    def recover(self, writers: Writers, evaluated_step: int, why: str = "died",
+                suspects: tuple[int, ...] = (), detail: str = "") -> Change:
+        """Goes on with the ranks that are left: one agreed state, the model in the new group.
+        Returns the change (its world is the loop's to take); raises CannotRecover when this
+        rank cannot go on. ``writers``: the generation that is gone's."""
+        writers.watchdog.close(wait=False)  # it watched the group that is gone
+        self.membership.inject = partial(writers.faults.maybe_strike_recovery,
                                          step=self.progress.step + 1)
         while True:
             self.rollback()
             try:
-                change = self.membership.recover(self.position(), why, suspects, detail)
+                change = self.membership.recover(self.position(evaluated_step), why, suspects,
+                                                 detail)
                 self.adopt(change)
                 break
             except PeerFailure as failure:  # the new group lost a member too: the next round
@@ -85,34 +131,33 @@ class Regroup:
                     "process", change.generation, change.old_world_size, change.env.world_size,
                     change.step, ", ".join(str(lost["rank"]) for lost in change.lost) or "none",
                     change.why)
-        self.take(self.after_change(change))
-        self.owed = change
+        return change
 
     def rollback(self) -> None:
         """Undoes what a step cut short left: its BatchNorm passes' statistics, its gradients
         (garbage where a collective was given up on), evaluation mode."""
         if self.mid_step:
             self.bn_stats.restore()
-        self.model.train()
+        self.engine.model.train()
         self.optimizer.zero_grad(set_to_none=True)
 
     def adopt(self, change: Change) -> None:
         """Joins the new world: the state of the first survivor at the agreed step (the step
         everyone completed, or the one some completed: theirs is whole), then the model in a
         DDP of the new group (the old wrapper retired: :meth:`Engine.retire`)."""
-        self.env, self.restart_generation = change.env, change.generation
+        env = change.env
         self.mid_step = False
         self.leave_policy.reset()
         self.engine.retire()
 
-        group, holds = dist.group.WORLD, self.env.rank == change.holder  # the new generation's
+        group, holds = dist.group.WORLD, env.rank == change.holder  # the new generation's
         # In host memory: pickled GPU tensors would land on the holder's GPU index on every
         # receiver; each receiver loads the state onto its own device.
         state = snapshot(self.state()) if holds else None
 
         def join() -> tuple[dict[str, Any], list[object]]:
             """The new group's collectives, on the group they are given: the agreed state and
-            every rank's digest of it. Nothing here changes this trainer: a round given up on
+            every rank's digest of it. Nothing here changes this worker: a round given up on
             (the membership then begins the next one, from the state agreed on) may complete
             later, and its state is never loaded."""
             payload = distributed.broadcast_object(state, change.holder, self.device, group)
@@ -126,40 +171,30 @@ class Regroup:
                                 f"{change.step}: {sorted(set(digests))}")
         if not holds:
             self.load_state(payload)
-        self.engine.wrap(self.env, sync=False)  # the same state everywhere: no collective
+        self.engine.wrap(env, sync=False)  # the same state everywhere: no collective
         # The digests above are of the one payload broadcast, alike on every rank: what this
         # rank now holds is compared with them here, by itself.
-        held = state_digest(self.model.state_dict())
+        held = state_digest(self.engine.model.state_dict())
         if held != digests[0]:
-            raise CannotRecover(f"rank {self.env.rank} holds another model than the agreed one "
+            raise CannotRecover(f"rank {env.rank} holds another model than the agreed one "
                                 f"after adopting step {change.step}: digest {held[:16]}, agreed "
                                 f"{str(digests[0])[:16]}")
-        self.new_world()
         self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()
 
-    def catch_up(self, change: Change) -> None:
-        """What the agreed step still owes when the fault came after it: its evaluation (unless
-        rank 0 has it) and its checkpoint."""
-        ended = self.progress.cursor == 0 and self.progress.step > 0
-        if (ended or self.done()) and change.evaluated_step != self.progress.step:
-            self.log_evaluation()
-        self.maybe_checkpoint(ended, final=self.done())
-        self.owed = None
-
-    def report_change(self) -> None:
-        """Once the new group's first step is done: the ``shrink`` record."""
+    def maybe_report_change(self, events: NullEventLog) -> bool:
+        """Once the new group's first step is done: the ``shrink`` record (True), else nothing."""
         change, self.change = self.change, None
+        if change is None:
+            return False
         self.membership.recovered()
         seconds = time.monotonic() - change.detected
-        self.writers.events.emit("shrink", change.step, old_world_size=change.old_world_size,
-                                 new_world_size=self.env.world_size,
-                                 lost_ranks=[lost["rank"] for lost in change.lost],
-                                 lost_hosts=[lost["host"] for lost in change.lost],
-                                 why=change.why, lost=change.lost,
-                                 restart_generation=change.generation,
-                                 detection_to_step_s=round(seconds, 3),
-                                 steps_redone=change.steps_redone,
-                                 detected_time=utc_time(change.detected_at),
-                                 regrouped_time=utc_time(self._regrouped_at),
-                                 model_digest=self._agreed_digest)
+        events.emit("shrink", change.step, old_world_size=change.old_world_size,
+                    new_world_size=change.env.world_size,
+                    lost_ranks=[lost["rank"] for lost in change.lost],
+                    lost_hosts=[lost["host"] for lost in change.lost],
+                    why=change.why, lost=change.lost, restart_generation=change.generation,
+                    detection_to_step_s=round(seconds, 3), steps_redone=change.steps_redone,
+                    detected_time=utc_time(change.detected_at),
+                    regrouped_time=utc_time(self._regrouped_at), model_digest=self._agreed_digest)
         log.info("first step after the change: %.2f s after it was detected", seconds)
+        return True

@@ -1,14 +1,16 @@
 """What the loop tells people: the logging window, training and test scalars, the records of
 skipped steps, the evaluation, the prediction grid, and every rank's audit of the samples it used.
 
-Everything here writes through the trainer's writers (writers.py): ranks that must not write hold
-writers that do nothing, so no line here asks which rank it runs on to decide whether to write.
+Everything here writes through the generation's writers (writers.py), which :meth:`Report.enter`
+hands over whole: ranks that must not write hold writers that do nothing, so no line here asks
+which rank it runs on to decide whether to write.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,13 +20,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from elastic_mnist.comm import PlainComm
-from elastic_mnist.data.datasets import Digits
+from elastic_mnist.config import TrainConfig
+from elastic_mnist.data.datasets import Dataset, Digits
+from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.env import DistEnv
 from elastic_mnist.render import prediction_grid
 from elastic_mnist.resilience.fence import NO_FENCE, NullFence
+from elastic_mnist.state import Progress
 
 if TYPE_CHECKING:
     from elastic_mnist.trainer import StepResult
+    from elastic_mnist.writers import Writers
 
 log = logging.getLogger("elastic_mnist.trainer")  # the loop's lines, under the loop's name
 
@@ -122,13 +128,42 @@ class _Window:
         return summary
 
 
-class Reporting:
-    """The Trainer's reporting, mixed into it: what a turn of the loop logs and records."""
+class Report:
+    """What a turn of the loop logs and records, for one worker: the window, the scalars, the
+    evaluation and its picture, the records of skipped steps. Handed the model, optimizer,
+    progress and data once; each generation's world, writers and collectives by :meth:`enter`."""
+
+    def __init__(self, cfg: TrainConfig, progress: Progress, order: SampleOrder, total_steps: int,
+                 model: nn.Module, optimizer: torch.optim.Optimizer, dataset: Dataset,
+                 test_data: Digits, device: torch.device):
+        self.cfg, self.progress, self.order, self.total_steps = cfg, progress, order, total_steps
+        self.total_epochs = math.ceil(total_steps / order.steps_per_epoch)
+        """Epochs this run trains in (fewer than --epochs when --max-steps ends it sooner)."""
+        self.model, self.optimizer, self.device = model, optimizer, device
+        self.dataset, self.test_data = dataset, test_data
+        self.window = _Window()
+        """The step results since the last log line."""
+        self.last_eval: tuple[float, float] | None = None
+        self.last_eval_step = -1
+        self.env, self.generation = DistEnv(), 0
+        self.writers: Writers | None = None
+        self.comm = PlainComm()
+
+    def enter(self, env: DistEnv, generation: int, writers: Writers, comm: PlainComm) -> None:
+        """A generation's world, its writers and its collectives (at the start, after a change)."""
+        self.env, self.generation, self.writers, self.comm = env, generation, writers, comm
+
+    def new_window(self) -> None:
+        """Starts the rate's window afresh (start-up is no part of the first window's rate)."""
+        self.window = _Window()
+
+    def done(self) -> bool:
+        return self.progress.step >= self.total_steps
 
     def should_log(self) -> bool:
         return self.progress.step % self.cfg.run.log_every == 0 or self.done()
 
-    def report_step(self, result: StepResult, epoch_ended: bool, changed: bool) -> None:
+    def step(self, result: StepResult, epoch_ended: bool, changed: bool) -> None:
         """The window, the progress display, and the scalars every ``--log-every`` steps (or at
         an epoch's end; at a change of world size, at least its new size)."""
         if not result.nonfinite_ranks:
@@ -141,7 +176,7 @@ class Reporting:
         elif changed:  # the world size drops at the step where it happened
             w.metrics.scalars(self.progress.step, {
                 "elastic/world_size": self.env.world_size,
-                "elastic/restart_generation": self.restart_generation})
+                "elastic/restart_generation": self.generation})
 
     def log_training(self, window: dict[str, float]) -> None:
         p = self.progress
@@ -151,14 +186,15 @@ class Reporting:
             "opt/lr": lr, "perf/samples_per_s": window["samples_per_s"],
             "perf/step_ms": window["step_ms"], "perf/data_wait_pct": window["data_wait_pct"],
             "elastic/world_size": self.env.world_size,
-            "elastic/restart_generation": self.restart_generation,
+            "elastic/restart_generation": self.generation,
             "train/nonfinite_steps": p.nonfinite_steps, "train/epoch": p.epoch_number(),
         })
         log.info("epoch %s step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
                  self.epoch_label(), p.step, self.total_steps, window["loss"],
                  100 * window["accuracy"], lr, window["samples_per_s"])
 
-    def log_evaluation(self) -> tuple[float, float]:
+    def evaluation(self) -> tuple[float, float]:
+        """The test split's loss and accuracy at this step: scalars, the picture, an event."""
         step, w = self.progress.step, self.writers
         loss, accuracy = evaluate(self.model, self.test_data, self.device, self.env,
                                   comm=self.comm)
@@ -178,7 +214,7 @@ class Reporting:
                  self.epoch_label(), where, step, loss, 100 * accuracy)
         return loss, accuracy
 
-    def report_nonfinite(self, ranks: list[int]) -> None:
+    def nonfinite(self, ranks: list[int]) -> None:
         """A skipped step: one line, an event, the count on the dashboards."""
         p = self.progress
         log.warning("step %d skipped: non-finite loss or gradients on rank(s) %s (%d in a row)",

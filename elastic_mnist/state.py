@@ -42,6 +42,11 @@ class Progress:
         """The epoch of the last completed step, counted from 1 (data/order.py)."""
         return epoch_number(self.step, self.epoch, self.cursor)
 
+    def become(self, other: Progress) -> None:
+        """Takes ``other``'s values in place: whoever holds this progress sees them."""
+        for name, value in asdict(other).items():
+            setattr(self, name, value)
+
 
 def payload(model: nn.Module, optimizer: torch.optim.Optimizer, progress: Progress,
             device: torch.device, cfg: TrainConfig, dataset: Dataset, world_size: int,

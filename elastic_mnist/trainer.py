@@ -10,7 +10,7 @@ This room is the loop and the step; the rest lives behind narrow faces: the mode
 (state.py), the recovery in process (regroup.py), reporting (report.py), and what the loop writes
 through (writers.py). Every collective of the loop is waited on through the membership
 (membership.py): when the group loses a rank, the step fails, and :meth:`Trainer.recover` goes on
-with the ranks that are left, in the same process, from the state they agree on.
+with the ranks that are left, in the same process, from the state they agree on (regroup.py).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from elastic_mnist.engine import Engine
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, PeerStopped, TrainingDiverged
 from elastic_mnist.fast_path import adamw_kernels
-from elastic_mnist.regroup import LeavePolicy, Regroup
-from elastic_mnist.report import Reporting, _Window
+from elastic_mnist.regroup import Regroup
+from elastic_mnist.report import Report
 from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.resilience.membership import NullMembership
 from elastic_mnist.resilience.preemption import StopRequest
@@ -109,15 +109,16 @@ def planned_steps(cfg: TrainConfig, order: SampleOrder) -> int:
     return min(steps, cfg.optim.max_steps) if cfg.optim.max_steps else steps
 
 
-class Trainer(Regroup, Reporting):
+class Trainer:
     """Owns the model, optimizer and progress of one worker, and runs the loop."""
 
     def __init__(self, cfg: TrainConfig, env: DistEnv, device: torch.device, dataset: Dataset, *,
                  run_id: str, restart_generation: int, writers: Writers | None = None,
                  membership: NullMembership | None = None,
                  after_change: Callable[[Change], Writers] | None = None):
-        """``writers``: this generation's (writers.py); ``after_change(change)``: the next
-        generation's, after a change of membership in process (job.py's ``Duties.after``)."""
+        """``writers``: this generation's (writers.py), or none yet: the job hands them to
+        :meth:`take` once a resume is checked; ``after_change(change)``: the next generation's,
+        after a change of membership in process (job.py's ``Duties.after``)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
@@ -125,21 +126,12 @@ class Trainer(Regroup, Reporting):
         self.test_data = dataset.test.to(device)  # both splits resident: no copy per batch
         self.membership = membership or NullMembership()
         self.after_change = after_change or (lambda change: self.writers)
-        self.last_eval: tuple[float, float] | None = None
-        self.last_eval_step = -1
-        self.mid_step = False
-        """A step has begun and not completed: what it changed is undone if it fails."""
-        self.change: Change | None = None
-        """The last change of membership, until the first step after it completes."""
         self.owed: Change | None = None
         """The last change of membership, until what its agreed step owes is done."""
-        self.leave_policy = LeavePolicy()
         o = cfg.optim
         self.order = SampleOrder(len(dataset.train), o.global_batch_size, o.micro_batch_size,
                                  o.seed)
         self.total_steps = planned_steps(cfg, self.order)
-        self.total_epochs = math.ceil(self.total_steps / self.order.steps_per_epoch)
-        """Epochs this run trains in (fewer than --epochs when --max-steps ends it sooner)."""
 
         self.engine = Engine(cfg, env, device, self.membership)
         self.model = self.engine.model
@@ -147,12 +139,16 @@ class Trainer(Regroup, Reporting):
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
                                            weight_decay=o.weight_decay, **adamw_kernels(device))
         self.engine.wrap(env)  # rank 0's parameters everywhere, then DDP and compile
+        self.progress = Progress()
+        """Where training stands: one object for the whole run (a resume or an adopted state
+        changes its values in place), which the report and the regroup read too."""
+        self.report = Report(cfg, self.progress, self.order, self.total_steps, self.model,
+                             self.optimizer, dataset, self.test_data, device)
+        self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
+                               device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
         log.info("precision %s; compile: %s", self.engine.float32_math,
                  self.engine.compilation.describe())
-        self.progress = Progress()
-        self.window = _Window()
-        """The step results since the last log line."""
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
 
@@ -165,6 +161,7 @@ class Trainer(Regroup, Reporting):
         """The step's flags and collectives, sized and guarded for the current world."""
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         self.comm = Comm(self.env, self.membership, self.writers.watchdog)
+        self.report.enter(self.env, self.restart_generation, self.writers, self.comm)
 
     # --- state (state.py) ----------------------------------------------------------------------
 
@@ -182,8 +179,8 @@ class Trainer(Regroup, Reporting):
 
     def load_state(self, payload: dict[str, Any]) -> None:
         """Takes the state of a payload (a checkpoint's, or a peer's after a change)."""
-        self.progress = payloads.load_state(payload, self.model, self.optimizer, self.cfg,
-                                            self.device)
+        self.progress.become(payloads.load_state(payload, self.model, self.optimizer, self.cfg,
+                                                 self.device))
 
     # --- the loop ------------------------------------------------------------------------------
 
@@ -193,7 +190,7 @@ class Trainer(Regroup, Reporting):
     def fit(self, stop: StopRequest) -> str:
         """Trains until done or asked to stop; returns 'finished', 'preempted' (every rank
         stops) or 'left' (this rank stops, the others go on)."""
-        self.window = _Window()  # start-up is no part of the first window's rate
+        self.report.new_window()
         while True:
             try:
                 if self.owed is not None:
@@ -213,6 +210,25 @@ class Trainer(Regroup, Reporting):
             if result.leavers:
                 self.recover(why="left", suspects=tuple(result.leavers))
 
+    def recover(self, why: str = "died", suspects: tuple[int, ...] = (), detail: str = "") -> None:
+        """Goes on with the ranks that are left (regroup.py), in the new world with its writers;
+        what the agreed step still owes is done before the next step. Raises CannotRecover when
+        this rank cannot go on."""
+        change = self.regroup.recover(self.writers, self.report.last_eval_step, why, suspects,
+                                      detail)
+        self.env, self.restart_generation = change.env, change.generation
+        self.take(self.after_change(change))
+        self.owed = change
+
+    def catch_up(self, change: Change) -> None:
+        """What the agreed step still owes when the fault came after it: its evaluation (unless
+        rank 0 has it) and its checkpoint."""
+        ended = self.progress.cursor == 0 and self.progress.step > 0
+        if (ended or self.done()) and change.evaluated_step != self.progress.step:
+            self.report.evaluation()
+        self.maybe_checkpoint(ended, final=self.done())
+        self.owed = None
+
     def iteration(self, stop_requested: bool) -> StepResult:
         """One turn of the loop: the next step, then what follows it (progress, scalars every
         ``--log-every`` steps, the evaluation at an epoch's end, the checkpoint when due)."""
@@ -225,16 +241,14 @@ class Trainer(Regroup, Reporting):
         if result.checkpoint_failed:
             self.stop_after_checkpoint_failure()
         epoch_ended = self.advance(len(batch))
-        changed = self.change is not None
-        if changed:
-            self.report_change()
+        changed = self.regroup.maybe_report_change(w.events)
         # Work of this rank alone is "busy" for the watchdog (peers wait for it, not for a hung
         # rank); a collective inside the evaluation is waiting, like a step's.
         with self.comm.busy("logging"):
             self.count_nonfinite(result)
-            self.report_step(result, epoch_ended, changed)
+            self.report.step(result, epoch_ended, changed)
         if epoch_ended or self.done():
-            self.log_evaluation()
+            self.report.evaluation()
         if self.env.rank not in result.leavers:  # a rank 0 that leaves hands its save on
             self.maybe_checkpoint(epoch_ended, final=self.done() or result.stop_requested)
         return result
@@ -272,7 +286,7 @@ class Trainer(Regroup, Reporting):
 
         # Forward and backward, micro-batch by micro-batch; DDP sums on the last one.
         self.bn_stats.begin_step()
-        self.mid_step = True
+        self.regroup.step_begins()
         engine.begin_step(self.comm)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
@@ -303,7 +317,7 @@ class Trainer(Regroup, Reporting):
         # statistics; its head read back to the host once (the step's one sync), a wait for the
         # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=w.checkpointer.failed,
-                                 leave_vote=self.leave_policy.vote(), stop=stop_requested,
+                                 leave_vote=self.regroup.leave_vote(), stop=stop_requested,
                                  nonfinite=nonfinite)
         packed = torch.cat([loss_sum.view(1), correct.view(1), flags,
                             self.bn_stats.local_sums(self.device)])
@@ -320,8 +334,7 @@ class Trainer(Regroup, Reporting):
             self.bn_stats.apply(packed[head:])
             self.optimizer.step()
 
-        leavers = self.leave_policy.leavers(stopping, leave_voted, self.membership.in_process,
-                                            self.env.world_size)
+        leavers = self.regroup.leavers(stopping, leave_voted, self.env.world_size)
         everyone_stops = bool(stopping) and (len(stopping) == self.env.world_size
                                              or not self.membership.in_process)
         return StepResult(loss=loss_total / len(batch), accuracy=correct_total / len(batch),
@@ -333,7 +346,7 @@ class Trainer(Regroup, Reporting):
     def advance(self, samples: int) -> bool:
         """Moves the cursor past a completed step; True if that step ended the epoch."""
         p = self.progress
-        self.mid_step = False
+        self.regroup.step_done()
         p.step += 1
         p.samples_seen += samples
         p.cursor += samples
@@ -353,7 +366,7 @@ class Trainer(Regroup, Reporting):
         p.nonfinite_steps += 1
         p.nonfinite_in_a_row += 1
         ranks = result.nonfinite_ranks
-        self.report_nonfinite(ranks)
+        self.report.nonfinite(ranks)
         limit = self.cfg.run.max_nonfinite_steps
         if p.nonfinite_in_a_row < limit:
             return

@@ -289,9 +289,9 @@ def adopted(trainer: Trainer, monkeypatch) -> dict:
         return obj
 
     monkeypatch.setattr(distributed, "broadcast_object", broadcast_object)
-    trainer.adopt(Change(env=DistEnv(), generation=1, old_world_size=2, lost=[], why="died",
-                         step=0, holder=0, steps_redone=0, evaluated_step=-1,
-                         detected=time.monotonic(), detected_at=time.time()))
+    trainer.regroup.adopt(Change(env=DistEnv(), generation=1, old_world_size=2, lost=[],
+                                 why="died", step=0, holder=0, steps_redone=0, evaluated_step=-1,
+                                 detected=time.monotonic(), detected_at=time.time()))
     (payload,) = sent
     return payload
 

@@ -174,10 +174,20 @@ def test_a_checkpoint_that_would_run_code_stops_the_job(tiny_digits, three_steps
 
 
 def test_a_checkpoint_of_another_config_names_the_mismatch(tiny_digits, three_steps, tmp_path):
+    """Refused before any run file is opened: the run folder keeps its files as they were (no
+    new TensorBoard file, nothing more in events.jsonl); train.log alone says why."""
     shutil.copytree(three_steps, tmp_path, dirs_exist_ok=True)
+    before = run_files(tmp_path / "runs")
     done = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "6", "--seed", "9")))
     assert done.returncode == 2
     assert "--seed=0" in done.stdout.strip().splitlines()[-1]
+    assert run_files(tmp_path / "runs") == before
+
+
+def run_files(runs: Path) -> dict[str, bytes]:
+    """The run folders' files and what they hold, train.log aside."""
+    return {str(f.relative_to(runs)): f.read_bytes() for f in sorted(runs.rglob("*"))
+            if f.is_file() and f.name != "train.log"}
 
 
 def test_a_resume_onto_other_digits_is_refused(three_steps, tmp_path):

@@ -313,7 +313,7 @@ def test_the_evaluation_reads_the_test_split_kept_on_the_device(tiny_digits, mon
     evaluated = []
     monkeypatch.setattr(report_module, "evaluate",
                         lambda model, digits, *args, **kwargs: evaluated.append(digits) or (1, 0))
-    trainer.log_evaluation()
+    trainer.report.evaluation()
     assert evaluated == [trainer.test_data]
 
 

@@ -500,7 +500,7 @@ def test_the_reads_that_block_on_nccl_are_waits(tiny_digits):
     sums = trainer.comm.all_reduce_ = NcclLikeSum(dog)
     try:
         trainer.train_step(trainer.global_batch(), stop_requested=False)
-        trainer.log_evaluation()
+        trainer.report.evaluation()
     finally:
         dog.close()
     assert sums.marked_at_reads == [True, True]

@@ -785,6 +785,29 @@ class _Exploit:
         return (os.system, ("true",))
 
 
+def test_the_fallback_record_goes_where_this_rank_can_write_it(tmp_path):
+    """Rank 0 writes it through its generation's writers; another node's first rank in the run
+    folder's events.jsonl; any other rank nowhere. Its step is the progress's when it comes (in
+    the give-up timer's thread too): no trainer is read."""
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.job import Duties, record_fallback
+    from elastic_mnist.resilience.membership import NullMembership
+    from elastic_mnist.state import Progress
+    from elastic_mnist.writers import Writers
+
+    duties = Duties(TrainConfig(), "run", tmp_path, tmp_path / "ckpt", None, NullMembership())
+    progress, events = Progress(step=7), Recorded()
+    duties.writers = Writers(events=events)
+    record_fallback(duties, progress, {"phase": "creating the new group"})
+    progress.become(Progress(step=9))
+    for rank, local_rank in ((2, 0), (3, 1)):
+        duties.env = DistEnv(rank=rank, local_rank=local_rank, world_size=4, launched=True)
+        record_fallback(duties, progress, {"phase": "creating the new group"})
+    written = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert [(record["event"], record["step"]) for record in written] == [("fallback", 9)]
+    assert events.records == [("fallback", 7)]
+
+
 def test_identities_of_ranks_lost_before_they_said_who_they_were_are_unknown(store, members):
     member = members(rank=0, world_size=3)
     found = member.identities()
@@ -869,14 +892,15 @@ def test_a_collective_of_an_aborted_generation_raises_instead_of_returning_local
     trainer = Trainer(cfg, DistEnv(), torch.device("cpu"), load(tiny_digits, "synthetic"),
                       run_id="aborted", restart_generation=1)
     member = members(0, world_size=2)
-    trainer.comm = Comm(member.env, member, NullWatchdog())  # rank 0 of 2, its group gone
+    comm = Comm(member.env, member, NullWatchdog())  # rank 0 of 2, its group gone
+    trainer.report.enter(member.env, 1, trainer.writers, comm)
     member.abort(Fault("died", [1], 1, "", time.time()))
     assert not torch.distributed.is_initialized()
     with pytest.raises(PeerFailure):
-        trainer.comm.all_reduce_(torch.ones(3))
+        comm.all_reduce_(torch.ones(3))
     with pytest.raises(PeerFailure):
-        trainer.log_evaluation()
-    assert trainer.last_eval is None
+        trainer.report.evaluation()
+    assert trainer.report.last_eval is None
 
     class Bucket:
         def buffer(self) -> torch.Tensor:
@@ -1044,12 +1068,12 @@ def test_an_adoption_given_up_on_that_completes_late_changes_nothing(tiny_digits
     before, net = state_digest(trainer.model.state_dict()), trainer.engine.net
     threading.Timer(0.5, lambda: theirs.declare("died", [0], "lost")).start()
     with pytest.raises(PeerFailure):
-        trainer.adopt(a_change(1, 2, 1))
+        trainer.regroup.adopt(a_change(1, 2, 1))
     arrives.set()
     gathered.wait(5)
     time.sleep(0.5)  # whatever the thread given up on still does, it has done
     assert state_digest(trainer.model.state_dict()) == before
-    assert trainer.engine.net is net and trainer.change is None
+    assert trainer.engine.net is net and trainer.regroup.change is None
 
 
 @pytest.mark.parametrize("loaded", ["as agreed", "corrupted"])
@@ -1072,7 +1096,7 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
     agreed["model"] = {k: v.clone() + 1 for k, v in agreed["model"].items()}
     monkeypatch.setattr(distributed, "broadcast_object", lambda obj, *a, **k: agreed)
     monkeypatch.setattr(distributed, "all_gather_object", lambda obj, *a, **k: [obj, obj])
-    load_state = trainer.load_state
+    load_state = trainer.regroup.load_state
 
     def load_and_corrupt(payload) -> None:
         load_state(payload)
@@ -1080,15 +1104,15 @@ def test_a_survivor_that_holds_another_model_than_the_agreed_one_cannot_recover(
             with torch.no_grad():
                 next(trainer.model.parameters()).view(-1)[0] += 1  # a bit flipped on the way
 
-    monkeypatch.setattr(trainer, "load_state", load_and_corrupt)
+    monkeypatch.setattr(trainer.regroup, "load_state", load_and_corrupt)
     change = dataclasses.replace(a_change(0, 1, 2), env=DistEnv(), holder=1)  # takes the state
     if loaded == "as agreed":
-        trainer.adopt(change)
-        assert trainer.change is change
+        trainer.regroup.adopt(change)
+        assert trainer.regroup.change is change
         return
     with pytest.raises(CannotRecover, match="holds another model than the agreed one"):
-        trainer.adopt(change)
-    assert trainer.change is None
+        trainer.regroup.adopt(change)
+    assert trainer.regroup.change is None
 
 
 def test_a_group_made_after_a_recovery_gets_a_backend_of_its_own():
