@@ -103,7 +103,7 @@ class Faults:
 
     def maybe_hang(self, step: int) -> None:
         if self.fires("hang", step):
-            os.kill(os.getpid(), signal.SIGSTOP)
+            freeze_here()
         if self.fires("stall", step):
             threading.Event().wait()
         if self.fires("die", step):
@@ -124,14 +124,22 @@ class Faults:
                     continue
                 if kind.startswith("die-"):
                     kill_own_node()
-                os.kill(os.getpid(), signal.SIGSTOP)
+                freeze_here()
 
     def before_save(self, step: int) -> None:
         """In rank 0's checkpoint writer, before it writes step ``step``'s checkpoint."""
         if self.fires("hang-save", step):
-            os.kill(os.getpid(), signal.SIGSTOP)
+            freeze_here()
         if self.fires("disk-full", step):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def freeze_here() -> None:
+    """Stops this process (SIGSTOP) before the calling thread takes another step. Sent to the
+    process, the signal may be taken by another of its threads, and this one runs on meanwhile
+    (a checkpoint writer then writes what it was to stop before); sent to this thread, it stops
+    the thread on its way back from the call, and the whole process with it."""
+    signal.pthread_kill(threading.get_ident(), signal.SIGSTOP)
 
 
 def kill_own_node() -> None:
