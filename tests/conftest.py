@@ -25,6 +25,12 @@ def pytest_configure(config):
     their Ctrl-C. A handler of this process's own is reset to the default in each child."""
     if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+    # The tests' own tensor work, in this process, on one thread: the suite runs in as many
+    # processes as cores, and torch's default (a thread per core in each) oversubscribes them.
+    # The jobs the tests launch get the environment each test gives them, as before.
+    import torch
+
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
