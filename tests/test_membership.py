@@ -197,7 +197,7 @@ def test_a_declared_fault_fails_every_pending_and_later_wait(members):
 
 
 def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
-    """The watchdog declares through ``declare`` bound to the generation it watched (job.py): a
+    """The watchdog declares through ``declare`` bound to the generation it watched (duties.py): a
     verdict reached there and delivered after a recovery moved on names ranks of a group that is
     gone, and is dropped, instead of dropping healthy ranks of the new one."""
     mine, theirs = members(0), members(1)
@@ -790,7 +790,7 @@ def test_the_fallback_record_goes_where_this_rank_can_write_it(tmp_path):
     folder's events.jsonl; any other rank nowhere. Its step is the progress's when it comes (in
     the give-up timer's thread too): no trainer is read."""
     from elastic_mnist.config import TrainConfig
-    from elastic_mnist.job import Duties, record_fallback
+    from elastic_mnist.duties import Duties, record_fallback
     from elastic_mnist.resilience.membership import NullMembership
     from elastic_mnist.state import Progress
     from elastic_mnist.writers import Writers
