@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from elastic_mnist.checkpoint import Checkpointer, Manifest, NullCheckpointer, write_run_file
+from elastic_mnist.checkpoint import Manifest, write_run_file
+from elastic_mnist.checkpointer import Checkpointer, NullCheckpointer
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import EventLog, NullEventLog

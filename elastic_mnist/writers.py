@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_mnist.checkpoint import NullCheckpointer
+from elastic_mnist.checkpointer import NullCheckpointer
 from elastic_mnist.events import NullEventLog
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.progress import LogLines

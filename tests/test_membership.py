@@ -24,7 +24,7 @@ import torch
 from test_faults import state
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_mnist.checkpoint import Checkpointer
+from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
@@ -834,7 +834,8 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     """A fault in an epoch's evaluation or save comes after its step was agreed: the new group
     evaluates it (unless its rank 0 had, and logged it) and saves it (unless its rank 0 had
     committed it: a new rank 0 does not write it, nor its records, twice), before stepping on."""
-    from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
+    from elastic_mnist.checkpoint import newest_committed_step
+    from elastic_mnist.checkpointer import Checkpointer
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
     from elastic_mnist.resilience.agreement import Change
