@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from elastic_mnist import distributed
 from elastic_mnist.batchnorm import GlobalBatchNormStats
-from elastic_mnist.checkpoint import snapshot
+from elastic_mnist.checkpointer import snapshot
 from elastic_mnist.engine import Engine
 from elastic_mnist.errors import CannotRecover, PeerFailure
 from elastic_mnist.events import NullEventLog, utc_time

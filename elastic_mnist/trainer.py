@@ -118,7 +118,7 @@ class Trainer:
                  after_change: Callable[[Change], Writers] | None = None):
         """``writers``: this generation's (writers.py), or none yet: the job hands them to
         :meth:`take` once a resume is checked; ``after_change(change)``: the next generation's,
-        after a change of membership in process (job.py's ``Duties.after``)."""
+        after a change of membership in process (duties.py's ``Duties.after``)."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset

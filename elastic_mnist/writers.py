@@ -1,6 +1,6 @@
 """What the loop writes through, for one generation of the group: a bundle built whole.
 
-The job (job.py's ``Duties``) builds one bundle at the start and a new one after each change of
+The job (duties.py's ``Duties``) builds one bundle at the start and a new one after each change of
 membership (``duties.after(change)``), handed to the Trainer whole (``Trainer.take``): once a resume
 is checked against the run (before it, no run file is opened), then as the answer to its change.
 Nobody sets a trainer's writers one by one from outside. Ranks that must not
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from elastic_mnist.checkpoint import NullCheckpointer
+from elastic_mnist.checkpointer import NullCheckpointer
 from elastic_mnist.events import NullEventLog
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.progress import LogLines

@@ -301,7 +301,7 @@ def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: 
     import torch
     import torch.distributed as dist
 
-    from elastic_mnist.checkpoint import Checkpointer
+    from elastic_mnist.checkpointer import Checkpointer
     from elastic_mnist.cli import build_parser
     from elastic_mnist.config import train_config_from_args
     from elastic_mnist.data.datasets import load

@@ -10,13 +10,13 @@ from shared_runs import command_json
 
 from elastic_mnist.checkpoint import (
     RUN_FILE,
-    Checkpointer,
     deserialize,
     list_manifests,
     newest_committed_step,
     newest_valid,
     write_checkpoint,
 )
+from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.errors import EXIT_DROPPED, CheckpointError
 from elastic_mnist.model import build_model, state_digest
 from elastic_mnist.resilience.current import GENERATION_FILE

@@ -21,7 +21,8 @@ import torch
 from launch import REPO, clean_env, cli_cmd, run, start, torchrun_cmd
 from shared_runs import args_for, inspect, wait_until, workers
 
-from elastic_mnist.checkpoint import Checkpointer, newest_committed_step, nonfinite_entries
+from elastic_mnist.checkpoint import newest_committed_step, nonfinite_entries
+from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.errors import (
     EXIT_CANNOT_SAVE,
     EXIT_DIVERGED,

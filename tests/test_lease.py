@@ -24,7 +24,8 @@ from shared_runs import args_for, newest, wait_until
 from test_faults import state
 
 from elastic_mnist import distributed
-from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
+from elastic_mnist.checkpoint import newest_committed_step
+from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import DistEnv, Rendezvous
 from elastic_mnist.errors import EXIT_LEASE_LOST, EXIT_PREEMPTED, FolderInUse

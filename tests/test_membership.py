@@ -24,7 +24,7 @@ import torch
 from test_faults import state
 from torch.distributed import PrefixStore, TCPStore
 
-from elastic_mnist.checkpoint import Checkpointer
+from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
 from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
 from elastic_mnist.events import EventLog, read_events
@@ -197,7 +197,7 @@ def test_a_declared_fault_fails_every_pending_and_later_wait(members):
 
 
 def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
-    """The watchdog declares through ``declare`` bound to the generation it watched (job.py): a
+    """The watchdog declares through ``declare`` bound to the generation it watched (duties.py): a
     verdict reached there and delivered after a recovery moved on names ranks of a group that is
     gone, and is dropped, instead of dropping healthy ranks of the new one."""
     mine, theirs = members(0), members(1)
@@ -790,7 +790,7 @@ def test_the_fallback_record_goes_where_this_rank_can_write_it(tmp_path):
     folder's events.jsonl; any other rank nowhere. Its step is the progress's when it comes (in
     the give-up timer's thread too): no trainer is read."""
     from elastic_mnist.config import TrainConfig
-    from elastic_mnist.job import Duties, record_fallback
+    from elastic_mnist.duties import Duties, record_fallback
     from elastic_mnist.resilience.membership import NullMembership
     from elastic_mnist.state import Progress
     from elastic_mnist.writers import Writers
@@ -834,7 +834,8 @@ def test_what_the_agreed_step_owes_is_done_before_the_next_step(tiny_digits, tmp
     """A fault in an epoch's evaluation or save comes after its step was agreed: the new group
     evaluates it (unless its rank 0 had, and logged it) and saves it (unless its rank 0 had
     committed it: a new rank 0 does not write it, nor its records, twice), before stepping on."""
-    from elastic_mnist.checkpoint import Checkpointer, newest_committed_step
+    from elastic_mnist.checkpoint import newest_committed_step
+    from elastic_mnist.checkpointer import Checkpointer
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.data.datasets import load
     from elastic_mnist.resilience.agreement import Change

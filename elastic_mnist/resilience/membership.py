@@ -179,7 +179,7 @@ class Membership(NullMembership):
         self.connections.declare.add(self.pulse_key, 1)  # exists before this rank says who it is
         self.inject: Callable[[str], None] = lambda phase: None
         self.on_fallback: Callable[[dict[str, Any]], None] = lambda record: None
-        """Writes the ``fallback`` record where this rank can (job.py)."""
+        """Writes the ``fallback`` record where this rank can (duties.py)."""
         self.recovery = Recovery(self)
         """The change under way, if any: agreement, new group, bound (recovery.py)."""
         threading.Thread(target=self._pulse, daemon=True, name="membership-pulse").start()
