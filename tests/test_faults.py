@@ -442,6 +442,41 @@ def test_a_rank_stuck_outside_every_collective_when_the_store_goes_names_itself(
     assert stuck.reason.endswith("; the store that rank 1 serves does not answer")
 
 
+def test_a_dropped_rank_whose_watchdog_finds_a_hang_leaves_as_dropped(monkeypatch, caplog):
+    """A frozen rank woken after the survivors went on without it: its watchdog finds its
+    peers' heartbeats stopped, or its store gone, and would name itself or nobody (EXIT_HUNG).
+    It asks the writers' fence first: dropped, it declares nothing and leaves with the fence's
+    one line and status; a fence that cannot tell leaves the verdict as it was (a real hang)."""
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.errors import EXIT_DROPPED, EXIT_HUNG, CannotTell
+    from elastic_mnist.resilience.fence import Fence, Over
+
+    dropped = Over("rank 0 was dropped from the job at generation 0 (the job is at 1): leaving "
+                   "without writing", EXIT_DROPPED)
+
+    def cannot_tell() -> None:
+        raise CannotTell("the coordination store does not answer")
+
+    for reason, left, exits in ((lambda: dropped, [dropped], []),
+                                (cannot_tell, [], [EXIT_HUNG])):
+        exited: list[int] = []
+        monkeypatch.setattr(watchdog, "end_process", exited.append)
+        fenced: list[Over] = []
+        said: list[dict] = []
+        handed: list[list[int]] = []
+        dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), GoneStore(),
+                                floor_s=0.1, report=said.append,
+                                go_on_without=lambda ranks, why, to=handed: to.append(ranks),
+                                store_host=None, fence=Fence(reason, on_over=fenced.append))
+        try:
+            dog._declare(watchdog.Verdict([0], [], "alive, not in a collective: rank 0", {}))
+        finally:
+            dog.close()
+        assert (fenced, exited, handed, said) == (left, exits, [], []), reason
+    hang_lines = [r for r in caplog.records if r.getMessage().startswith("hang: ")]
+    assert len(hang_lines) == 1  # the real hang's alone
+
+
 def test_a_heartbeat_says_where_the_training_thread_stands():
     import threading
 
