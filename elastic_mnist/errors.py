@@ -24,7 +24,8 @@ EXIT_CANNOT_SAVE = 4
 """A checkpoint cannot be written: the folder is found unwritable before the first step, or a
 write failed (full, read-only, not permitted), or rank 0 refused to save weights that are not
 finite. Shared on purpose: no checkpoint comes of going on either way, and the ranks that learn
-it from another leave with it too."""
+it from another (a failed or refused save, through the next step's collective) leave with it
+too."""
 EXIT_LEASE_LOST = 5
 """Another job took this job's checkpoint folder (``--take-over``, or the lease lapsed): this
 one stops writing and leaves."""
