@@ -106,7 +106,12 @@ class Checkpointer(NullCheckpointer):
 
     def maybe_save(self, state_fn, step: int, *, epoch_end: bool = False,
                    final: bool = False) -> bool:
-        """Saves the state returned by ``state_fn()`` if the policy says so; True if it did."""
+        """Saves the state returned by ``state_fn()`` if the policy says so; True if it did.
+
+        A state that holds non-finite values is refused, not saved: the refusal fails the
+        checkpointer as a failed write does (``failed``; ``wait`` raises RefusedToSave), so that
+        the next step's flags stop every rank with EXIT_CANNOT_SAVE. A final save has no next
+        step: its refusal is raised at once."""
         if not self.should_save(step, epoch_end=epoch_end, final=final):
             return False
         if self.failed and not final:  # said by the step's collective; saving more cannot help
@@ -116,8 +121,11 @@ class Checkpointer(NullCheckpointer):
         payload = snapshot(state_fn())
         bad = nonfinite_entries(payload)
         if bad:
-            raise RefusedToSave(f"refusing to save step {step}: {', '.join(bad[:3])} hold "
-                                f"non-finite values")
+            self._error = RefusedToSave(f"refusing to save step {step}: {', '.join(bad[:3])} "
+                                        f"hold non-finite values")
+            if final:
+                self.wait()
+            return False
         self.last_blocking_ms = (time.perf_counter() - start) * 1e3
         self._idle.clear()
         self._jobs.put((payload, self.last_blocking_ms))
@@ -128,7 +136,8 @@ class Checkpointer(NullCheckpointer):
 
     @property
     def failed(self) -> bool:
-        """A write failed (the error waits for ``wait``); no checkpoint is saved after it."""
+        """A write failed, or a save was refused (the error waits for ``wait``); no checkpoint
+        is saved after it."""
         return self._error is not None
 
     def wait(self) -> None:

@@ -128,7 +128,7 @@ class Duties:
             report=partial(record_hang, env, events, self.run_dir, self.fence),
             go_on_without=partial(self.membership.declare, "hung",
                                   generation=self.membership.generation) if in_process else None,
-            store_host=None if in_process else 0)
+            store_host=None if in_process else 0, fence=self.fence)
 
 
 def record_checkpoint(metrics: NullMetrics, events: NullEventLog, checkpointer: Checkpointer,

@@ -24,17 +24,19 @@ EXIT_CANNOT_SAVE = 4
 """A checkpoint cannot be written: the folder is found unwritable before the first step, or a
 write failed (full, read-only, not permitted), or rank 0 refused to save weights that are not
 finite. Shared on purpose: no checkpoint comes of going on either way, and the ranks that learn
-it from another leave with it too."""
+it from another (a failed or refused save, through the next step's collective) leave with it
+too."""
 EXIT_LEASE_LOST = 5
 """Another job took this job's checkpoint folder (``--take-over``, or the lease lapsed): this
 one stops writing and leaves."""
 EXIT_DROPPED = 6
 """This process is no longer one of the job's ranks: the survivors of a fault went on in a
 generation without it (a frozen rank woken), or the rendezvous moved on to a round without its
-agent. It leaves without writing; its agent restarts it into the job."""
+agent. It leaves with one line and without writing, whichever of its threads learns it first (a
+writer's fence, its recovery, its watchdog); its agent restarts it into the job."""
 EXIT_GAVE_UP = 7
-"""The recovery in process failed (no step within its bound, the coordination store gone, a
-rank the others went on without as it recovered): torchrun restarts the job from its last
+"""The recovery in process failed (no step within its bound, the coordination store gone with
+nothing to say the others went on without this rank): torchrun restarts the job from its last
 checkpoint."""
 EXIT_HUNG = 124
 """The watchdog found a collective or a step hung past ``--hang-timeout`` with nobody to go on
@@ -115,6 +117,14 @@ class PeerFailure(RuntimeError):
 class CannotRecover(Exception):
     """This rank cannot go on in process; it leaves (EXIT_GAVE_UP), and torchrun restarts the
     job."""
+
+
+class Dropped(Exception):
+    """The survivors of a fault went on without this rank (it was frozen as they closed their
+    membership): it leaves with this one line and EXIT_DROPPED, writing nothing, not even a
+    ``fallback`` record: the job did not fall back."""
+
+    exit_code = EXIT_DROPPED
 
 
 class CannotTell(Exception):

@@ -58,7 +58,8 @@ class StepResult:
     nonfinite_ranks: list[int] = field(default_factory=list)
     """Ranks whose loss or own gradients were NaN or infinite: the step was skipped."""
     checkpoint_failed: bool = False
-    """Rank 0 could not write a checkpoint: every rank stops."""
+    """Rank 0 could not save a checkpoint (a write failed, or it refused non-finite weights):
+    every rank stops."""
     leavers: list[int] = field(default_factory=list)
     """Ranks that asked to stop while the others go on without them, from the next step."""
 
@@ -380,6 +381,7 @@ class Trainer:
         raise TrainingDiverged(message)
 
     def stop_after_checkpoint_failure(self) -> None:
-        """Rank 0 could not save: it says why (the writer's error), every rank stops."""
-        self.writers.checkpointer.wait()  # raises the writer's error on rank 0
-        raise PeerStopped("rank 0 could not write a checkpoint", exit_code=EXIT_CANNOT_SAVE)
+        """Rank 0 could not save: it says why (the writer's error, or its refusal), every rank
+        stops with EXIT_CANNOT_SAVE."""
+        self.writers.checkpointer.wait()  # raises the writer's error, or the refusal, on rank 0
+        raise PeerStopped("rank 0 could not save a checkpoint", exit_code=EXIT_CANNOT_SAVE)

@@ -14,6 +14,7 @@ from elastic_mnist.errors import (
     USER_ERRORS,
     CannotRecover,
     CheckpointError,
+    Dropped,
     FolderInUse,
     PeerStopped,
     TrainingDiverged,
@@ -44,6 +45,9 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
         return report_user_error("train", e)
     except PeerStopped as e:
         return e.exit_code
-    except CannotRecover as e:  # the others went on without this rank, or could not go on
+    except Dropped as e:  # the others went on without this rank: its one line, no record
+        log.error("%s", e)
+        return e.exit_code
+    except CannotRecover as e:  # the survivors could not go on in process
         log.error("cannot go on in process: %s; leaving, so that torchrun restarts the job", e)
         return EXIT_GAVE_UP

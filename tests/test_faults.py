@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -143,14 +144,46 @@ def test_a_write_that_fails_midway_takes_back_what_it_wrote(tmp_path, monkeypatc
 
 
 def test_non_finite_weights_are_never_saved(tmp_path):
+    """Refused as a failed write fails: the checkpointer is failed (the next step's flags stop
+    every rank), and rank 0's wait says why; a final save, with no step after it, says it at
+    once."""
     saver = Checkpointer(tmp_path, every=1, keep_last=3, restart_generation=0)
+    assert saver.maybe_save(lambda: state(1, float("nan")), 1) is False
+    assert saver.failed
+    assert saver.maybe_save(lambda: state(2), 2) is False  # no checkpoint after it
     with pytest.raises(Exception, match=r"refusing to save step 1: model\.w") as refused:
-        saver.maybe_save(lambda: state(1, float("nan")), 1)
+        saver.wait()
     # Rank 0 leaves with the code every other rank leaves with when it cannot save, in one line.
     assert isinstance(refused.value, CheckpointError)  # one line from worker_main, no traceback
     assert report_user_error("train", refused.value) == EXIT_CANNOT_SAVE
+    with pytest.raises(CheckpointError, match=r"refusing to save step 3: model\.w"):
+        saver.maybe_save(lambda: state(3, float("inf")), 3, final=True)
     assert nonfinite_entries(state(1)) == []
     assert not list(tmp_path.glob("step-*"))
+
+
+@pytest.mark.slow
+def test_weights_gone_non_finite_stop_every_rank_as_a_failed_save_does(tiny_digits, tmp_path):
+    """Two workers under plain torchrun, a weight decay no float32 weight survives (1 - lr x
+    decay overflows): step 1's loss and gradients are finite, the weights it leaves are not.
+    Rank 0 refuses to save them, and the refusal travels in step 2's collective as a failed
+    write does: rank 0 says why in one line, every rank leaves with 4, no worker's traceback,
+    nothing saved."""
+    args = args_for(tiny_digits, tmp_path, "--checkpoint-every", "1", "--lr", "1",
+                    "--weight-decay", "1e40", "--warmup-steps", "0", "--max-steps", "4",
+                    "--run-id", "refused")
+    done = run(torchrun_cmd(2, *args), timeout=120)
+    assert done.returncode == 1, done.stdout  # torchrun's, after its workers' statuses
+    summary = re.findall(r"rank\s+: (\d+) \(local_rank: \d+\)\n\s+exitcode\s+: (-?\d+)",
+                         done.stdout)
+    assert sorted(summary) == [("0", str(EXIT_CANNOT_SAVE)), ("1", str(EXIT_CANNOT_SAVE))], \
+        done.stdout
+    errors = [line for line in done.stdout.splitlines() if "error:" in line]
+    assert len(errors) == 1 and errors[0].startswith(
+        "elastic-mnist train: error: refusing to save step 1: "), done.stdout
+    assert errors[0].endswith(" hold non-finite values"), done.stdout
+    assert "elastic_mnist/" not in done.stdout.split("ChildFailedError")[0], done.stdout
+    assert not list((tmp_path / "ckpt").glob("step-*"))
 
 
 # --- non-finite steps ---------------------------------------------------------------------------
@@ -441,6 +474,41 @@ def test_a_rank_stuck_outside_every_collective_when_the_store_goes_names_itself(
     assert stuck.suspects == [0] and stuck.silent == []
     assert stuck.reason.startswith("alive, not in a collective: rank 0 at ")
     assert stuck.reason.endswith("; the store that rank 1 serves does not answer")
+
+
+def test_a_dropped_rank_whose_watchdog_finds_a_hang_leaves_as_dropped(monkeypatch, caplog):
+    """A frozen rank woken after the survivors went on without it: its watchdog finds its
+    peers' heartbeats stopped, or its store gone, and would name itself or nobody (EXIT_HUNG).
+    It asks the writers' fence first: dropped, it declares nothing and leaves with the fence's
+    one line and status; a fence that cannot tell leaves the verdict as it was (a real hang)."""
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.errors import EXIT_DROPPED, EXIT_HUNG, CannotTell
+    from elastic_mnist.resilience.fence import Fence, Over
+
+    dropped = Over("rank 0 was dropped from the job at generation 0 (the job is at 1): leaving "
+                   "without writing", EXIT_DROPPED)
+
+    def cannot_tell() -> None:
+        raise CannotTell("the coordination store does not answer")
+
+    for reason, left, exits in ((lambda: dropped, [dropped], []),
+                                (cannot_tell, [], [EXIT_HUNG])):
+        exited: list[int] = []
+        monkeypatch.setattr(watchdog, "end_process", exited.append)
+        fenced: list[Over] = []
+        said: list[dict] = []
+        handed: list[list[int]] = []
+        dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), GoneStore(),
+                                floor_s=0.1, report=said.append,
+                                go_on_without=lambda ranks, why, to=handed: to.append(ranks),
+                                store_host=None, fence=Fence(reason, on_over=fenced.append))
+        try:
+            dog._declare(watchdog.Verdict([0], [], "alive, not in a collective: rank 0", {}))
+        finally:
+            dog.close()
+        assert (fenced, exited, handed, said) == (left, exits, [], []), reason
+    hang_lines = [r for r in caplog.records if r.getMessage().startswith("hang: ")]
+    assert len(hang_lines) == 1  # the real hang's alone
 
 
 def test_a_heartbeat_says_where_the_training_thread_stands():

@@ -26,7 +26,7 @@ from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.checkpointer import Checkpointer
 from elastic_mnist.env import DistEnv, rendezvous_of, why_no_rendezvous
-from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, PeerFailure
+from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, Dropped, PeerFailure
 from elastic_mnist.events import EventLog, read_events
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
@@ -45,6 +45,8 @@ from elastic_mnist.resilience.torchrun_agents import arrive_at_exit_barrier, ren
 from elastic_mnist.trainer import StepFlags
 
 TIMEOUT = datetime.timedelta(seconds=10)
+DROPPED_LINE = ("rank 1 was dropped from the job at generation 0 (the job is at 1): leaving "
+                "without writing")
 
 
 @pytest.fixture
@@ -214,8 +216,9 @@ def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
 def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, monkeypatch,
                                                             caplog):
     """A recovery that cannot complete a step within its bound leaves (torchrun restarts the job)
-    with one line and one ``fallback`` record naming the phase that failed and why; a rank the
-    others went on without says so the same way."""
+    with one line and one ``fallback`` record naming the phase that failed and why. A rank the
+    others went on without did not fall back: it is dropped (EXIT_DROPPED, the fence's line),
+    with no record, and no give-up follows it."""
     from elastic_mnist.resilience import agreement, recovery
 
     left: list[int] = []
@@ -232,13 +235,33 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
                                            "round failed creating the new group: no pulse")
     store.set("launch/g0/members", "[0]")  # rank 0 closed the membership without rank 1
-    with pytest.raises(recovery.CannotRecover, match="went on without this one") as e:
+    with pytest.raises(Dropped) as e:
         theirs.recover(agreement.Position(step=3, mid_step=False, evaluated_step=0))
-    theirs.fall_back(str(e.value))  # as Trainer.recover does
-    assert (written[1]["phase"], written[1]["rank"]) == ("agreeing on who is left", 1)
+    assert (str(e.value), e.value.exit_code) == (DROPPED_LINE, EXIT_DROPPED)
+    assert theirs.recovery._deadline is None  # no give-up, no record
+    assert len(written) == 1
     lines = [r.getMessage() for r in caplog.records
              if "recovery in process failed" in r.getMessage()]
-    assert len(lines) == 2 and "while agreeing on who is left: the other ranks went on" in lines[1]
+    assert len(lines) == 1
+
+
+def test_a_rank_woken_at_its_bound_after_the_others_went_on_is_dropped(store, members,
+                                                                       monkeypatch, caplog):
+    """A rank frozen in a recovery, woken after its bound: its give-up finds that the job went on
+    without it, and it leaves as dropped, in the fence's line, with no ``fallback`` record."""
+    from elastic_mnist.resilience import recovery
+
+    left: list[int] = []
+    monkeypatch.setattr(recovery, "end_process", left.append)
+    survivor, woken = members(0), members(1)
+    written: list[dict] = []
+    woken.on_fallback = written.append
+    survivor.declare("hung", [1])
+    survivor.generation = 1
+    survivor._publish_current([survivor.identity])
+    woken.recovery._give_up()
+    assert (left, written) == ([EXIT_DROPPED], [])
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [DROPPED_LINE]
 
 
 @pytest.mark.parametrize("why", ["hung", "left"])

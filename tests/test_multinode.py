@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -40,11 +41,14 @@ def records(workdir: Path, kind: str | None = None) -> list[dict]:
 
 
 def two_plain_agents(tmp_path: Path, port: int, args: list[str], env: dict[str, str],
-                     *rdzv_id: str) -> tuple[list[subprocess.Popen], Callable[[], str]]:
-    """The README's plain torchrun line on two nodes of one worker (node 0's agent serves the
-    store), each agent logging to tmp_path/agent<i>.log; and a reader of both logs."""
+                     *rdzv_id: str, nproc: tuple[int, int] = (1, 1),
+                     ) -> tuple[list[subprocess.Popen], Callable[[], str]]:
+    """The README's plain torchrun line on two nodes of ``nproc`` workers (one each by default;
+    node 0's agent serves the store), each agent logging to tmp_path/agent<i>.log; and a reader
+    of both logs."""
     agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+         f"--nproc_per_node={nproc[i]}",
          "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}", *rdzv_id,
          f"--rdzv_conf=is_host={str(host).lower()}", "--monitor_interval=0.2",
          "-m", "elastic_mnist", *args],
@@ -55,6 +59,17 @@ def two_plain_agents(tmp_path: Path, port: int, args: list[str], env: dict[str, 
         return "\n".join((tmp_path / f"agent{i}.log").read_text() for i in (0, 1))
 
     return agents, logs
+
+
+def wake(frozen: psutil.Process, agent: subprocess.Popen, log: Path,
+         logs: Callable[[], str]) -> str:
+    """Continues a worker stopped by SIGSTOP and waits for its agent to fail; returns what the
+    agent logged from then on (the woken worker's lines, torchrun's summary)."""
+    assert frozen.status() == psutil.STATUS_STOPPED, logs()
+    frozen_at = len(log.read_text())
+    frozen.send_signal(signal.SIGCONT)
+    assert agent.wait(timeout=60) != 0, logs()
+    return log.read_text()[frozen_at:]
 
 
 def test_survivors_of_a_frozen_node_go_on_in_process_as_a_restart_would(tmp_path):
@@ -353,14 +368,11 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
     try:
         assert agents[1].wait(timeout=90) == 0, logs()  # the survivor's agent ends
         (frozen,) = psutil.Process(agents[0].pid).children()
-        assert frozen.status() == psutil.STATUS_STOPPED, logs()
-        left, frozen_at = folders(), len((tmp_path / "agent0.log").read_text())
-        frozen.send_signal(signal.SIGCONT)
-        assert agents[0].wait(timeout=60) != 0, logs()
+        left = folders()
+        woken = wake(frozen, agents[0], tmp_path / "agent0.log", logs)
     finally:
         for agent in agents:
             kill_tree(agent.pid)
-    woken = (tmp_path / "agent0.log").read_text()[frozen_at:]
     assert f"exitcode  : {EXIT_DROPPED}" in woken, woken  # torchrun's summary of it
     said = [line for line in woken.splitlines() if "[rank 0]" in line]
     assert len(said) == 1, woken
@@ -377,3 +389,47 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
     assert all(json.loads(p.read_text())["restart_generation"] == 1
                for p in (tmp_path / "ckpt").glob("step-*.json")
                if int(p.stem.split("-")[1]) >= 3)  # the survivor's, from the frozen step on
+
+
+def test_a_dropped_rank_that_wakes_while_the_job_goes_on_leaves_with_one_line(tiny_digits,
+                                                                               tmp_path):
+    """Two plain torchrun agents, of one worker and of two. Rank 2, node 1's second worker (no
+    lease, no record of the node's to write: nothing of the fence's on its way), freezes
+    (SIGSTOP) as it begins step 3; ranks 0 and 1 name it after --hang-timeout and go on without
+    it in their own processes. Woken while they still train, its recovery finds the membership
+    closed without it: it leaves with one line and the dropped status, not a given-up
+    recovery's (7) nor a hang's (124), and writes no ``fallback`` record."""
+    from shared_runs import args_for
+
+    port = free_port()
+    args = args_for(tiny_digits, tmp_path, "--run-id", "woken", "--hang-timeout", "2")
+    env = clean_env(**{FAULT_VAR: "hang@3:2"})
+    agents, logs = two_plain_agents(tmp_path, port, args, env, "--rdzv_id=woken", nproc=(1, 2))
+    run_dir = tmp_path / "runs" / "woken"
+
+    def shrunk() -> bool:
+        path = run_dir / "events.jsonl"
+        return path.exists() and any(e["event"] == "shrink" for e in read_events(path))
+
+    try:
+        deadline = time.monotonic() + 90
+        while not shrunk():
+            assert agents[0].poll() is None and time.monotonic() < deadline, logs()
+            time.sleep(0.05)
+        (frozen,) = [p for p in psutil.Process(agents[1].pid).children()
+                     if p.environ().get("RANK") == "2"]
+        woken = wake(frozen, agents[1], tmp_path / "agent1.log", logs)
+    finally:
+        for agent in agents:
+            kill_tree(agent.pid)
+    # torchrun's summary of it (its agent then stops rank 1, which the others go on without).
+    assert re.search(rf"rank\s+: 2 \(local_rank: 1\)\n\s+exitcode\s+: {EXIT_DROPPED} ", woken), \
+        woken
+    said = [line for line in woken.splitlines() if "[rank 2]" in line]
+    assert len(said) == 1, woken
+    assert "ERROR rank 2 was dropped from the job at generation 0 (the job is at 1): leaving " \
+        "without writing" in said[0], woken
+    events = read_events(run_dir / "events.jsonl")
+    assert [e["event"] for e in events if e["event"] in ("fallback", "hang", "shrink")][:2] == \
+        ["hang", "shrink"]
+    assert not [e for e in events if e["event"] == "fallback"]

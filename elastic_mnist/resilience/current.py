@@ -90,8 +90,8 @@ class CurrentGeneration:
             return self._dropped_by_file(generation, rank, me, e)
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
-        return Over(f"rank {rank} was dropped from the job at generation {generation} (the job "
-                    f"is at {current['generation']}): leaving without writing", EXIT_DROPPED)
+        return Over(dropped_line(rank, generation, f"the job is at {current['generation']}"),
+                    EXIT_DROPPED)
 
     def _dropped_by_file(self, generation: int, rank: int, me: str,
                          error: RuntimeError) -> Over:
@@ -103,10 +103,16 @@ class CurrentGeneration:
                              f"ranks: the coordination store does not answer "
                              f"({first_line(error)}), and {GENERATION_FILE} names no later "
                              f"generation without it")
-        return Over(f"rank {rank} was dropped from the job at generation {generation} "
-                    f"({GENERATION_FILE} says the job is at {found['generation']}; the "
-                    f"coordination store does not answer): leaving without writing",
-                    EXIT_DROPPED)
+        return Over(dropped_line(rank, generation, f"{GENERATION_FILE} says the job is at "
+                                 f"{found['generation']}; the coordination store does not "
+                                 f"answer"), EXIT_DROPPED)
+
+
+def dropped_line(rank: int, generation: int, why: str) -> str:
+    """The one line a process the job went on without leaves with, whichever thread learns it
+    (a writer's fence, the recovery, the watchdog): ``why`` says how it knows."""
+    return (f"rank {rank} was dropped from the job at generation {generation} ({why}): leaving "
+            f"without writing")
 
 
 def still_in(current: dict[str, Any], generation: int, me: str) -> bool:

@@ -18,7 +18,9 @@ build their new group, round after round, within a bound.
    state, the lost of every round in one change.
 
 If no step completes within ``bound_s`` of the fault, this rank falls back: it leaves
-(EXIT_GAVE_UP), and torchrun restarts the job from its last checkpoint.
+(EXIT_GAVE_UP), and torchrun restarts the job from its last checkpoint. A rank the survivors went
+on without (frozen as they closed their membership, and woken) does not fall back: it is dropped
+(:class:`Dropped`, EXIT_DROPPED), as its fence would say it.
 """
 from __future__ import annotations
 
@@ -35,7 +37,15 @@ import torch
 import torch.distributed as dist
 
 from elastic_mnist.distributed import backend_for, end_process
-from elastic_mnist.errors import EXIT_GAVE_UP, CannotRecover, PeerFailure, first_line
+from elastic_mnist.errors import (
+    EXIT_DROPPED,
+    EXIT_GAVE_UP,
+    CannotRecover,
+    CannotTell,
+    Dropped,
+    PeerFailure,
+    first_line,
+)
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
     Change,
@@ -46,12 +56,16 @@ from elastic_mnist.resilience.agreement import (
     pulse_key,
     successor_env,
 )
+from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
 if TYPE_CHECKING:
     from elastic_mnist.resilience.membership import Membership
 
 log = logging.getLogger(__name__)
+
+DROPPED_QUESTION_S = 2.0
+"""How long a give-up waits to learn whether the job went on without this rank."""
 
 
 class Recovery:
@@ -79,9 +93,10 @@ class Recovery:
         """Agrees with the other survivors on who is left, and builds their new process group.
 
         Returns the change: since the last one's first step, if a fault came before it (in
-        the recovery itself), so that the lost of every round are in one. Raises
-        CannotRecover when this rank is not among the survivors or the coordination store does
-        not answer; PeerFailure when the new group lost a member too (the next round follows).
+        the recovery itself), so that the lost of every round are in one. Raises Dropped when
+        the survivors went on without this rank; CannotRecover when the coordination store does
+        not answer (and nothing says they went on without it); PeerFailure when the new group
+        lost a member too (the next round follows).
         """
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
@@ -101,14 +116,12 @@ class Recovery:
             members = close_membership(m.store, m.key(""), expected, fault.suspects,
                                        pulses, limit_s=m.bound_s / 2)
             if m.env.rank not in members:
-                raise CannotRecover(f"the other ranks went on without this one (rank "
-                                    f"{m.env.rank}) after the fault at generation "
-                                    f"{m.generation}")
+                raise self._left_behind(closed_without_me=True)
             positions = [Position(**json.loads(value)) for value in m.store.multi_get(
                 [m.key(f"in/{r}") for r in members])]
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
-            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
-                from None
+            raise self._left_behind() or CannotRecover(
+                f"the coordination store does not answer: {first_line(e)}") from None
         step = max(p.step for p in positions)
         env = successor_env(m.env, members, identities)
         lost = [{"rank": r, "host": identities[r].host,
@@ -126,9 +139,28 @@ class Recovery:
         except PeerFailure:
             raise
         except RuntimeError as e:  # the store went as the generation began: said in one line
-            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
-                from None
+            raise self._left_behind() or CannotRecover(
+                f"the coordination store does not answer: {first_line(e)}") from None
         return change
+
+    def _left_behind(self, closed_without_me: bool = False) -> Dropped | None:
+        """Dropped when the job went on without this rank: the survivors closed the membership
+        without it (``closed_without_me``), or the fence's reason says so (where the store does
+        not answer, the checkpoint folder's generation.json); else None. The bound is then off:
+        no give-up follows, and no ``fallback`` record (the job did not fall back)."""
+        m = self.member
+        if closed_without_me:
+            line = dropped_line(m.env.rank, m.generation, f"the job is at {m.generation + 1}")
+        else:
+            try:
+                over = m.dropped()
+            except CannotTell:
+                return None
+            if over is None:
+                return None
+            line = over.line
+        self._disarm()
+        return Dropped(line)
 
     def _widen(self, change: Change, members: list[int]) -> Change:
         """``change`` as one with the change still being recovered, if any: from the world that
@@ -216,7 +248,8 @@ class Recovery:
                               f"{', '.join(map(str, sorted(silent)))} while {phase}")
             except RuntimeError as e:  # DistStoreError: the store went, nobody to agree with
                 self.failure = f"{phase}: the coordination store does not answer"
-                raise CannotRecover(f"{self.failure}: {first_line(e)}") from None
+                raise self._left_behind() or CannotRecover(
+                    f"{self.failure}: {first_line(e)}") from None
         try:
             return guarded.wait()
         except PeerFailure as e:
@@ -231,11 +264,14 @@ class Recovery:
             self._deadline.daemon = True
             self._deadline.start()
 
-    def recovered(self) -> None:
-        """The first step after a change completed: the bound is off, the change over."""
+    def _disarm(self) -> None:
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
+
+    def recovered(self) -> None:
+        """The first step after a change completed: the bound is off, the change over."""
+        self._disarm()
         self.change = None
         self.phase, self.failure = "detecting the fault", ""
         spares = self.member.connections.group
@@ -255,6 +291,18 @@ class Recovery:
                         "recovery opens one if it needs it", first_line(e))
 
     def _give_up(self) -> None:
+        """At the bound, in the timer's thread: one woken after the survivors went on without
+        this rank (it was frozen in the recovery) says so, and leaves as dropped; else it falls
+        back. The question is bounded: a store that does not answer delays no give-up."""
+        asked: list[Dropped | None] = []
+        question = threading.Thread(target=lambda: asked.append(self._left_behind()),
+                                    daemon=True, name="membership-dropped")
+        question.start()
+        question.join(DROPPED_QUESTION_S)
+        if asked and asked[0] is not None:
+            log.error("%s", asked[0])
+            end_process(EXIT_DROPPED)
+            return
         self.fall_back(f"no step completed within {self.member.bound_s:.0f} s of the fault"
                        + (f" (the last round failed {self.failure})" if self.failure else ""))
         end_process(EXIT_GAVE_UP)

@@ -21,7 +21,10 @@ Then the first rank to see it declares the hang in the store, writes ``hang`` in
 and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM).
 Where the survivors can go on in process (membership.py), it hands them the hung ranks' names and
 they go on without them; otherwise it exits with EXIT_HUNG, the others follow as their
-collectives fail, and the agents restart the group from the last checkpoint. The first step
+collectives fail, and the agents restart the group from the last checkpoint. A verdict is first
+put to the writers' fence: a process the job no longer holds (a frozen rank woken after the
+survivors went on without it, whose peers' heartbeats stopped or whose store went) declares
+nothing, and leaves with the fence's line and status (EXIT_DROPPED). The first step
 (compiling, loading) and data preparation come before the watchdog is armed; a rank's own share
 of an evaluation, its checkpoint save and its logging are "busy", so that peers waiting for it in
 a collective wait on. A collective itself is never busy: a rank hung during an evaluation is found
@@ -55,7 +58,8 @@ from torch.distributed import Store
 
 from elastic_mnist.distributed import end_process
 from elastic_mnist.env import DistEnv
-from elastic_mnist.errors import EXIT_HUNG
+from elastic_mnist.errors import EXIT_HUNG, CannotTell
+from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
 
 log = logging.getLogger(__name__)
 
@@ -143,12 +147,13 @@ class Watchdog(NullWatchdog):
     def __init__(self, env: DistEnv, store: Store, floor_s: float,
                  report: Callable[[dict[str, Any]], None], beat_s: float = BEAT_S,
                  go_on_without: Callable[[list[int], str], None] | None = None,
-                 store_host: int | None = 0):
+                 store_host: int | None = 0, fence: NullFence = NO_FENCE):
         """``report(record)`` writes the ``hang`` event where this rank can;
         ``go_on_without(ranks, reason)``, where the survivors can go on in process, hands them
         the hung ranks instead of leaving; ``store_host``: the rank whose process serves
-        ``store`` (None when no rank does)."""
+        ``store`` (None when no rank does); ``fence``: the writers', asked before a verdict."""
         self.env, self.store, self.floor_s, self.report = env, store, floor_s, report
+        self.fence = fence
         self.beat_s = beat_s
         self.go_on_without = go_on_without
         self.store_host = store_host
@@ -219,6 +224,8 @@ class Watchdog(NullWatchdog):
 
     def absorb(self) -> None:
         """A collective failed: if a peer declared a hang, this rank leaves quietly as well."""
+        if self._fenced():
+            return
         try:
             found = self._call(self.store.check, [DECLARED])
             record = json.loads(self._call(self.store.get, DECLARED)) if found else None
@@ -242,8 +249,8 @@ class Watchdog(NullWatchdog):
         with self._calling:
             if self._pending is not None and not self._pending.done():
                 raise StoreSilent
-            self._pending = self._calls.submit(method, *args)
-            try:
+            try:  # submitted after close: nothing answers either
+                self._pending = self._calls.submit(method, *args)
                 return self._pending.result(STORE_TIMEOUT.total_seconds())
             except (concurrent.futures.TimeoutError, RuntimeError) as e:
                 raise StoreSilent from e
@@ -322,7 +329,21 @@ class Watchdog(NullWatchdog):
         return Verdict(stuck, [], f"alive, not in a collective: {where}" if stuck else
                        "every rank alive and waiting in a collective", second)
 
+    def _fenced(self) -> bool:
+        """Asks the fence (bounded, as a store call): a process the job no longer holds leaves
+        there, with the fence's one line and status, instead of declaring a hang in a group
+        that went on without it. False while the fence holds, or cannot tell in time."""
+        try:
+            self._call(self.fence.check, False, True)
+        except (StoreSilent, CannotTell):
+            return False
+        except FenceClosed:  # the fence's ``on_over`` returned (tests): nothing more is said
+            return True
+        return False
+
     def _declare(self, verdict: Verdict) -> None:
+        if self._fenced():
+            return
         waited = time.monotonic() - self.last_progress
         record = {"rank": verdict.suspects[0] if verdict.suspects else None,
                   "ranks": verdict.suspects, "last_step": self.step,
