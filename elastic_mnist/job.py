@@ -44,6 +44,7 @@ from elastic_mnist.errors import (
     CheckpointWriteError,
     ConfigError,
     DataError,
+    Dropped,
     PeerStopped,
 )
 from elastic_mnist.logs import add_file_handler
@@ -137,8 +138,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
             finally:  # no step follows: nothing left to watch
                 trainer.writers.watchdog.close()
         trainer.writers.checkpointer.wait()
-    finally:
-        trainer.writers.close()
+    finally:  # a rank the job went on without leaves with that line alone
+        trainer.writers.close(dropped=isinstance(sys.exc_info()[1], Dropped))
     step, events = trainer.progress.step, trainer.writers.events
     if outcome != "finished":
         events.emit(outcome, step, signal=stop.signal_name)

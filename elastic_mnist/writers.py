@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from elastic_mnist.checkpointer import NullCheckpointer
+from elastic_mnist.errors import CheckpointError
 from elastic_mnist.events import NullEventLog
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.progress import LogLines
@@ -40,10 +41,16 @@ class Writers:
     faults: Faults = field(default_factory=Faults)
     """Injected faults, for tests (faults.py)."""
 
-    def close(self) -> None:
+    def close(self, dropped: bool = False) -> None:
         """The files of the writers that outlive the loop: checkpoints, display, dashboards,
-        audit (events.jsonl stays open for the job's last records)."""
-        self.checkpointer.close()
+        audit (events.jsonl stays open for the job's last records). ``dropped``: the job went on
+        without this process, which leaves with that one line; a failed save it still holds is
+        not its to say any more (the survivors have their own checkpointer)."""
+        try:
+            self.checkpointer.close()
+        except CheckpointError:
+            if not dropped:
+                raise
         self.display.close()
         self.metrics.close()
         self.audit.close()

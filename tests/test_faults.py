@@ -511,6 +511,83 @@ def test_a_dropped_rank_whose_watchdog_finds_a_hang_leaves_as_dropped(monkeypatc
     assert len(hang_lines) == 1  # the real hang's alone
 
 
+def test_a_verdict_reached_as_the_training_thread_closes_the_watchdog_is_dropped(monkeypatch,
+                                                                                 caplog):
+    """Rank 1 declared the hang first; rank 0's training thread, woken by it, recovers and
+    closes rank 0's watchdog (``close(wait=False)``) while that watchdog, at its own deadline,
+    asks the fence. The generation is over, and so is its verdict: no second ``hang`` line or
+    record, nothing handed on, no exit (whether it closes before the store is asked or just
+    after the question)."""
+    import json
+
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.resilience.fence import Fence
+
+    class DictStore:
+        def __init__(self) -> None:
+            self.values: dict[str, bytes] = {}
+
+        def set_timeout(self, timeout) -> None:
+            pass
+
+        def set(self, key: str, value: str) -> None:
+            self.values[key] = value.encode()
+
+        def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+            if self.values.get(key, b"") == expected.encode():
+                self.values[key] = desired.encode()
+            return self.values[key]
+
+    exited: list[int] = []
+    monkeypatch.setattr(watchdog, "end_process", exited.append)
+    for closes_during_question in (True, False):
+        store = DictStore()
+        store.set(watchdog.DECLARED, json.dumps({"reported_by": 1, "last_step": 7}))
+        said: list[dict] = []
+        handed: list[list[int]] = []
+        dogs: list[watchdog.Watchdog] = []
+
+        def recovering(closes=closes_during_question, dogs=dogs) -> None:  # a survivor's
+            if closes:
+                dogs[0].close(wait=False)
+
+        dog = watchdog.Watchdog(DistEnv(rank=0, world_size=3, launched=True), store,
+                                floor_s=0.1, report=said.append,
+                                go_on_without=lambda ranks, why, to=handed: to.append(ranks),
+                                store_host=None, fence=Fence(recovering))
+        dogs.append(dog)
+        if not closes_during_question:  # closed between the question and the claim
+            monkeypatch.setattr(dog, "_fenced", lambda d=dog: d._calls.shutdown() or False)
+            dog._stop.clear()
+        try:
+            dog._declare(watchdog.Verdict([2], [2], "no heartbeat (stopped or wedged)", {}))
+        finally:
+            dog.close()
+        assert (said, handed, exited) == ([], [], []), closes_during_question
+    assert not [r for r in caplog.records if r.getMessage().startswith("hang: ")]
+
+
+def test_a_dropped_rank_holding_a_failed_save_leaves_as_dropped(tmp_path):
+    """Rank 0 refused a save (its next step's flags would have stopped everyone), froze, and the
+    survivors went on without it: woken, it leaves as dropped. Its writers' teardown keeps the
+    refusal to itself then (the survivors have their own checkpointer), and raises it otherwise."""
+    from elastic_mnist.checkpointer import Checkpointer
+    from elastic_mnist.errors import RefusedToSave
+    from elastic_mnist.writers import Writers
+
+    def refused() -> Writers:
+        saver = Checkpointer(tmp_path, every=1, keep_last=3, restart_generation=0)
+        state = {"model": {"w": torch.tensor([float("nan")])}, "optimizer": {},
+                 "progress": {"step": 1}}
+        assert saver.maybe_save(lambda: state, 1) is False and saver.failed
+        return Writers(checkpointer=saver)
+
+    refused().close(dropped=True)
+    with pytest.raises(RefusedToSave):
+        refused().close()
+    assert not list(tmp_path.glob("step-*"))
+
+
 def test_a_heartbeat_says_where_the_training_thread_stands():
     import threading
 

@@ -78,6 +78,11 @@ class StoreSilent(Exception):
     """The store did not answer in time: its host (rank 0) is stopped or gone."""
 
 
+class WatchdogClosed(StoreSilent):
+    """The watchdog was closed (its generation is over) before a store call could begin:
+    nothing answers, and a verdict reached meanwhile is dropped, not declared."""
+
+
 @dataclass
 class Heartbeat:
     rank: int
@@ -249,8 +254,11 @@ class Watchdog(NullWatchdog):
         with self._calling:
             if self._pending is not None and not self._pending.done():
                 raise StoreSilent
-            try:  # submitted after close: nothing answers either
+            try:
                 self._pending = self._calls.submit(method, *args)
+            except RuntimeError as e:  # submitted after close: the generation is over
+                raise WatchdogClosed from e
+            try:
                 return self._pending.result(STORE_TIMEOUT.total_seconds())
             except (concurrent.futures.TimeoutError, RuntimeError) as e:
                 raise StoreSilent from e
@@ -342,14 +350,19 @@ class Watchdog(NullWatchdog):
         return False
 
     def _declare(self, verdict: Verdict) -> None:
-        if self._fenced():
+        # Closed meanwhile (the training thread, woken by a peer's declaration, recovers while
+        # the fence is asked): the generation is over, and so is this verdict.
+        if self._fenced() or self._stop.is_set():
             return
         waited = time.monotonic() - self.last_progress
         record = {"rank": verdict.suspects[0] if verdict.suspects else None,
                   "ranks": verdict.suspects, "last_step": self.step,
                   "reported_by": self.env.rank, "reason": verdict.reason,
                   "waited_s": round(waited, 2), "deadline_s": round(self.deadline_s(), 2)}
-        first = self._claim(record)
+        try:
+            first = self._claim(record)
+        except WatchdogClosed:
+            return
         go_on = (self.go_on_without is not None and bool(verdict.suspects)
                  and self.env.rank not in verdict.suspects)
         suspects = ", ".join(map(str, verdict.suspects)) or "unknown"
@@ -372,6 +385,8 @@ class Watchdog(NullWatchdog):
         try:
             value = json.dumps(record)
             return self._call(self.store.compare_set, DECLARED, "", value).decode() == value
+        except WatchdogClosed:
+            raise
         except StoreSilent:
             live = [r for r in range(self.env.world_size) if r not in record["ranks"]]
             return bool(live) and self.env.rank == min(live)
