@@ -72,7 +72,5 @@ class Comm(PlainComm):
         more than one, a group that is gone fails it too: never this rank's values as the sum."""
         if self.env.world_size > 1:
             require_group()
-            work = dist.all_reduce(tensor, async_op=True)
-            with self.watchdog.waiting():
-                self.membership.guard(work.get_future()).wait()
+            self.wait(dist.all_reduce(tensor, async_op=True).get_future())
         return tensor

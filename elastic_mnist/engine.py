@@ -14,6 +14,7 @@ import contextlib
 import logging
 import threading
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -68,8 +69,7 @@ def sum_allreduce_hook(state, bucket):
 class Engine:
     """The model of one worker and the wrapper the loop runs it in, for the current group."""
 
-    def __init__(self, cfg: TrainConfig, env: DistEnv, device: torch.device,
-                 membership: NullMembership):
+    def __init__(self, cfg: TrainConfig, device: torch.device, membership: NullMembership):
         """Builds the model (not yet wrapped: :meth:`wrap`, once what hooks into it is set)."""
         self.cfg, self.device = cfg, device
         if device.type == "cuda":
@@ -130,15 +130,16 @@ class Engine:
             self.ddp.reducer._remove_autograd_hooks()  # torch private: no public way to unhook
             self.ddp = None
 
-    def compiling(self, micro_batches: list[torch.Tensor],
+    def compiling(self, micro_batches: Callable[[], list[torch.Tensor]],
                   comm: Comm) -> contextlib.AbstractContextManager:
         """Under --compile, a step that gives this rank a micro-batch size it has not run yet (an
         epoch's short last micro-batch) recompiles the model: seconds of work of its own, which
-        the watchdog must not take for a hang."""
+        the watchdog must not take for a hang. ``micro_batches`` splits the step's batch, asked
+        only under --compile."""
         if self.compilation.mode is None:
             return contextlib.nullcontext()
-        sizes = {len(m) for m in share(micro_batches, self.env.rank, self.env.world_size)
-                 or micro_batches[:1]}
+        split = micro_batches()
+        sizes = {len(m) for m in share(split, self.env.rank, self.env.world_size) or split[:1]}
         if sizes <= self.compiled_sizes:
             return contextlib.nullcontext()
         self.compiled_sizes |= sizes

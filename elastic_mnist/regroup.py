@@ -23,7 +23,7 @@ from elastic_mnist import distributed
 from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.checkpointer import snapshot
 from elastic_mnist.engine import Engine
-from elastic_mnist.errors import CannotRecover, PeerFailure
+from elastic_mnist.errors import CannotRecover, PeerFailure, first_line
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.model import state_digest
 from elastic_mnist.resilience.agreement import Change, Position
@@ -123,7 +123,7 @@ class Regroup:
                 self.adopt(change)
                 break
             except PeerFailure as failure:  # the new group lost a member too: the next round
-                why, suspects, detail = "died", (), str(failure).strip().splitlines()[0]
+                why, suspects, detail = "died", (), first_line(failure)
             except CannotRecover as e:
                 self.membership.fall_back(str(e))
                 raise

@@ -33,7 +33,13 @@ from elastic_mnist.data.datasets import Dataset
 from elastic_mnist.data.order import SampleOrder, share
 from elastic_mnist.engine import Engine
 from elastic_mnist.env import DistEnv
-from elastic_mnist.errors import EXIT_CANNOT_SAVE, EXIT_DIVERGED, PeerStopped, TrainingDiverged
+from elastic_mnist.errors import (
+    EXIT_CANNOT_SAVE,
+    EXIT_DIVERGED,
+    PeerStopped,
+    TrainingDiverged,
+    first_line,
+)
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.regroup import Regroup
 from elastic_mnist.report import Report
@@ -134,7 +140,7 @@ class Trainer:
                                  o.seed)
         self.total_steps = planned_steps(cfg, self.order)
 
-        self.engine = Engine(cfg, env, device, self.membership)
+        self.engine = Engine(cfg, device, self.membership)
         self.model = self.engine.model
         self.bn_stats = GlobalBatchNormStats(self.model, compiled=cfg.run.compile)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
@@ -186,7 +192,7 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------
 
     def done(self) -> bool:
-        return self.progress.step >= self.total_steps
+        return self.report.done()
 
     def fit(self, stop: StopRequest) -> str:
         """Trains until done or asked to stop; returns 'finished', 'preempted' (every rank
@@ -202,7 +208,7 @@ class Trainer:
             except RuntimeError as failure:  # a collective failed, or was given up on
                 if self.membership.broken is None:
                     raise
-                self.recover(detail=str(failure).strip().splitlines()[0])
+                self.recover(detail=first_line(failure))
                 continue
             if result.stop_requested:
                 return "preempted"
@@ -236,7 +242,7 @@ class Trainer:
         w = self.writers
         batch = self.global_batch()
         w.faults.maybe_hang(self.progress.step + 1)
-        with self.engine.compiling(self.order.micro_batches(batch), self.comm):
+        with self.engine.compiling(lambda: self.order.micro_batches(batch), self.comm):
             result = self.train_step(batch, stop_requested)
         w.watchdog.step_done(self.progress.step + 1, result.seconds)
         if result.checkpoint_failed:
