@@ -30,6 +30,17 @@ class Rendezvous:
     local_addr: str | None = None
     """``--local_addr``: the name the agent goes by in the rendezvous (its host's fully qualified
     name when None)."""
+    backend: str = "c10d"
+    """``--rdzv_backend``: torch's ``c10d``, or ``elastic-mnist`` (ours: resilience/agents.py),
+    whose agents tell their workers all of this in their environment."""
+    agent: str = ""
+    """Our backend: this process's agent's name in the rendezvous (``ELASTIC_MNIST_AGENT``)."""
+    round: int | None = None
+    """Our backend: the rendezvous round the agent started this worker in
+    (``ELASTIC_MNIST_ROUND``)."""
+    join: int | None = None
+    """Our backend: the admission this worker's node joins the running job by
+    (``ELASTIC_MNIST_JOIN``); None for a worker of the round's own start."""
 
     @property
     def endpoint(self) -> str:
@@ -66,10 +77,11 @@ class DistEnv:
     """``MASTER_ADDR:MASTER_PORT`` is torchrun's own rendezvous store, shared with the workers
     and kept across restarts (``TORCHELASTIC_USE_AGENT_STORE=True``, torch's default)."""
     rendezvous: Rendezvous | None = None
-    """The multi-node c10d rendezvous torchrun was started with (``--rdzv_endpoint``,
-    ``--rdzv_id``); None for one node (``--standalone``, ``--nnodes=1``), other backends, or
-    when it cannot be read. torchrun hands its workers no variable for it: it is read from the
-    agent's command line, with torchrun's own argument parser."""
+    """The rendezvous torchrun's agents meet at: ours (``--rdzv_backend=elastic-mnist``), as
+    its agent tells its workers (:func:`our_rendezvous`); or torch's multi-node c10d one
+    (``--rdzv_endpoint``, ``--rdzv_id``), for which torchrun hands its workers no variable: it is
+    read from the agent's command line, with torchrun's own argument parser. None for one node
+    on c10d (``--standalone``, ``--nnodes=1``), other backends, or when it cannot be read."""
     requeue_count: int = 0
     """How often the scheduler put this job back into its queue (SLURM's
     ``SLURM_RESTART_COUNT``; 0 elsewhere): which copy of the job this is."""
@@ -97,9 +109,10 @@ class DistEnv:
         ``launcher_argv``: the agent's command line (default: read from ``/proc`` for
         ``os.environ``, none for a given ``environ``).
         """
-        if launcher_argv is None and environ is None:
-            launcher_argv = agent_command_line()
         env = os.environ if environ is None else environ
+        ours = our_rendezvous(env)
+        if launcher_argv is None and environ is None and ours is None:
+            launcher_argv = agent_command_line()
         has_rank, has_world = "RANK" in env, "WORLD_SIZE" in env
         if has_rank != has_world:
             missing = "WORLD_SIZE" if has_rank else "RANK"
@@ -140,7 +153,7 @@ class DistEnv:
             master_port=None if master_port is None else _int(env, "MASTER_PORT", minimum=1),
             launched=True,
             uses_agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
-            rendezvous=rendezvous_of(launcher_argv or ()),
+            rendezvous=ours or rendezvous_of(launcher_argv or ()),
             requeue_count=requeue_count,
         )
 
@@ -204,6 +217,35 @@ def why_no_rendezvous(argv: Sequence[str], pid: int) -> str:
                 f"not a torchrun agent whose --rdzv_endpoint it can read")
     return ("its torchrun agent's rendezvous is not a multi-node c10d one "
             "(--rdzv_backend=c10d, --rdzv_endpoint, --nnodes above 1)")
+
+
+OUR_BACKEND = "elastic-mnist"
+"""Our rendezvous backend's name (``--rdzv_backend=elastic-mnist``)."""
+
+
+def our_rendezvous(env: Mapping[str, str]) -> Rendezvous | None:
+    """The rendezvous our backend's agent exported to this worker (resilience/agents.py:
+    ``ELASTIC_MNIST_RDZV`` host:port, ``..._RDZV_ID``, ``..._AGENT``, ``..._ROUND``,
+    ``..._KEEP_ALIVE`` interval,attempts, and ``..._JOIN`` for a node joining the running job);
+    None without it. Raises EnvError for values no agent of ours writes."""
+    endpoint = env.get("ELASTIC_MNIST_RDZV")
+    if not endpoint:
+        return None
+    host, _, port = endpoint.rpartition(":")
+    interval, _, attempts = env.get("ELASTIC_MNIST_KEEP_ALIVE", "5,3").partition(",")
+    try:
+        keep_alive = (float(interval), int(attempts))
+        if not host or int(port) <= 0 or keep_alive[0] <= 0 or keep_alive[1] < 1:
+            raise ValueError
+    except ValueError:
+        raise EnvError(f"ELASTIC_MNIST_RDZV={endpoint!r} with ELASTIC_MNIST_KEEP_ALIVE="
+                       f"{env.get('ELASTIC_MNIST_KEEP_ALIVE')!r} is not a rendezvous of "
+                       f"--rdzv_backend={OUR_BACKEND}") from None
+    join = env.get("ELASTIC_MNIST_JOIN")
+    return Rendezvous(host.strip("[]"), int(port), env.get("ELASTIC_MNIST_RDZV_ID", ""),
+                      *keep_alive, backend=OUR_BACKEND, agent=env.get("ELASTIC_MNIST_AGENT", ""),
+                      round=_int(env, "ELASTIC_MNIST_ROUND", 0, minimum=0),
+                      join=None if join is None else _int(env, "ELASTIC_MNIST_JOIN", minimum=0))
 
 
 def rendezvous_of(argv: Sequence[str]) -> Rendezvous | None:

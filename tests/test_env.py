@@ -26,6 +26,27 @@ def test_run_id_none_is_no_run_id():
     assert DistEnv.from_environ({**GOOD, "TORCHELASTIC_RUN_ID": "none"}).run_id is None
 
 
+OURS = {"ELASTIC_MNIST_RDZV": "10.0.0.7:29400", "ELASTIC_MNIST_RDZV_ID": "job7",
+        "ELASTIC_MNIST_AGENT": "3", "ELASTIC_MNIST_ROUND": "2", "ELASTIC_MNIST_KEEP_ALIVE": "1,4"}
+
+
+def test_our_backend_tells_the_worker_its_rendezvous_without_its_agents_command_line():
+    rdzv = DistEnv.from_environ({**GOOD, **OURS, "ELASTIC_MNIST_JOIN": "5"},
+                                launcher_argv=["python", "-c", "not torchrun"]).rendezvous
+    assert (rdzv.backend, rdzv.endpoint, rdzv.run_id, rdzv.agent, rdzv.round, rdzv.join) == \
+        ("elastic-mnist", "10.0.0.7:29400", "job7", "3", 2, 5)
+    assert (rdzv.keep_alive_interval_s, rdzv.keep_alive_max_attempt) == (1.0, 4)
+    assert DistEnv.from_environ({**GOOD, **OURS}).rendezvous.join is None
+
+
+@pytest.mark.parametrize("change, names", [({"ELASTIC_MNIST_RDZV": "nohost"}, "ELASTIC_MNIST_RDZV"),
+                                           ({"ELASTIC_MNIST_KEEP_ALIVE": "1"}, "KEEP_ALIVE"),
+                                           ({"ELASTIC_MNIST_ROUND": "-1"}, "ROUND")])
+def test_a_rendezvous_no_agent_of_ours_writes_names_the_variable(change, names):
+    with pytest.raises(EnvError, match=names):
+        DistEnv.from_environ({**GOOD, **OURS, **change})
+
+
 @pytest.mark.parametrize("change, names", [
     ({"WORLD_SIZE": None}, "WORLD_SIZE"),
     ({"RANK": None}, "RANK"),
