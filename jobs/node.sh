@@ -22,6 +22,9 @@
 #   RDZV_STORE      who serves the store: `agent`, the agent on the endpoint's host; or
 #                   `external`, an `elastic-mnist rendezvous` process on the endpoint that
 #                   outlives every node, the first one included (agent)
+#   RDZV_BACKEND    elastic-mnist, this package's rendezvous (a node that joins, or whose worker
+#                   died, enters the running job in process: nobody healthy restarts); or c10d,
+#                   torch's own (every change but a lost node restarts every worker) (c10d)
 #   RDZV_IS_HOST    true or false: whether this agent serves the store; auto: it does when the
 #                   endpoint's host is this machine. Set it where several agents share one host:
 #                   only one of them may serve (auto)
@@ -78,6 +81,11 @@ case "${RDZV_STORE:-agent}" in
     is_host=false
     ;;
   *) die "RDZV_STORE must be agent or external, not '$RDZV_STORE'" ;;
+esac
+rdzv_backend=${RDZV_BACKEND:-c10d}
+case "$rdzv_backend" in
+  c10d | elastic-mnist) ;;
+  *) die "RDZV_BACKEND must be elastic-mnist or c10d, not '$rdzv_backend'" ;;
 esac
 case "$is_host" in
   auto | true | false) ;;
@@ -161,7 +169,7 @@ fi
 cmd=("${launcher[@]}"
   --nnodes="$NNODES"
   --nproc_per_node="$NPROC_PER_NODE"
-  --rdzv_backend=c10d
+  --rdzv_backend="$rdzv_backend"
   --rdzv_endpoint="$RDZV_ENDPOINT"
   --rdzv_id="$RUN_ID"
   --rdzv_conf="$rdzv_conf"
