@@ -67,8 +67,8 @@ POLL_S = 0.05
 WAIT_S = 0.2
 """How often it reads while it waits for room, a job record, or its judgement of others."""
 LINGER_S = 1.0
-"""How long the agent serving the store waits, after its exit barrier, for the others to leave
-it (their store goes with it)."""
+"""How long the agent serving the store waits, as it shuts down, for the agents at the exit
+barrier to leave it (their store goes with it)."""
 CONF = {"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
         "is_host", "timeout", "read_timeout"}
 
@@ -217,6 +217,8 @@ class AgentsHandler(RendezvousHandler):
         self.liveness = Liveness(self.roster, self.serial, settings.keep_alive_max_attempt)
         self.round: int | None = None
         """The round this agent was last answered in (None before its first rendezvous)."""
+        self.seen_round: int | None = None
+        """The round whose job this agent waits to enter, before its first answer."""
         self.join: int | None = None
         self.waited = False
         """Whether this agent waited for a job it found running (see :meth:`_finish`)."""
@@ -311,10 +313,13 @@ class AgentsHandler(RendezvousHandler):
 
     def shutdown(self) -> bool:
         """Stops the keep-alive and tells the others this agent is gone (the rendezvous stays
-        open: other agents may still come)."""
+        open: other agents may still come); the agent serving the store first lets those at the
+        exit barrier leave it."""
         self.keep_alive.stop()
         try:
             self.roster.leave(self.serial)
+            if self.server is not None:
+                self._linger()
         except Exception as e:  # noqa: BLE001 - the store's host may have exited already
             log.debug("could not record agent %d's end: %s", self.serial, first_line(e))
         return True
@@ -420,9 +425,12 @@ class AgentsHandler(RendezvousHandler):
     def _late(self, round_: int, members: list[int]) -> Answer | None:
         """``round_`` closed without this agent: into its live job, or, when that job does not run
         in process (or publishes nothing within ``last_call_timeout``, or died), into the next
-        round, room permitting (None: arrive in the round the rendezvous is in now)."""
+        round, room permitting (None: arrive in the round the rendezvous is in now). Once one of
+        the round's agents is at the exit barrier (its workers succeeded) and the others too or
+        dead, the job is over."""
         s = self.settings
         start, said = time.monotonic(), False
+        self.seen_round = round_
         watch = Watch(self.store, self.roster.key(f"alive/{self.serial}"),
                       s.keep_alive_max_attempt)
         while True:
@@ -433,6 +441,8 @@ class AgentsHandler(RendezvousHandler):
             state = self._job_state(round_, watch)
             if state == "live":
                 return self._join(round_)
+            if self._over(members):
+                self._finish(f"the job of round {round_} has finished")
             if state == "dead" or state == "restart" or (
                     state == "none" and time.monotonic() - start >= s.last_call_timeout_s):
                 alive = set(members) - self.liveness.dead(members)
@@ -441,6 +451,11 @@ class AgentsHandler(RendezvousHandler):
                     return None
                 said = said or self._say_at_maximum()
             self._wait()
+
+    def _over(self, members: list[int]) -> bool:
+        """Whether the agents of ``members`` are at the exit barrier (but the dead), one at least."""
+        arrived = {n for n in members if self.roster.at_exit(n)}
+        return bool(arrived) and not set(members) - arrived - self.liveness.dead(members)
 
     def _job_state(self, round_: int, watch: Watch) -> str:
         """The job of ``round_``: "none" (no record of it), "restart" (it does not run in
@@ -471,6 +486,7 @@ class AgentsHandler(RendezvousHandler):
         its nodes and the tickets before this one. At ``--nnodes``' maximum it waits for room,
         saying so once; when the job's beat stops it moves the rendezvous on (None)."""
         s = self.settings
+        self.seen_round = round_
         self._check_nproc(round_)
         j = self.roster.join(round_, self.serial)
         beat = Watch(self.store, self.roster.key(f"alive/{self.serial}"), s.keep_alive_max_attempt)
@@ -523,7 +539,7 @@ class AgentsHandler(RendezvousHandler):
     def exit_barrier(self, timeout_s: float) -> None:
         """Waits until every live agent of the job has arrived here too, at most ``timeout_s``:
         the agents of the job's last record of this round (``P job``'s nodes), else those of the
-        round. The agent serving the store then waits for them to leave, at most LINGER_S."""
+        round."""
         roster = self.roster
         roster.arrive_at_exit(self.serial)
         start = time.monotonic()
@@ -543,20 +559,29 @@ class AgentsHandler(RendezvousHandler):
                     f"{', '.join(map(str, missing))} of the job are alive and have not arrived")
             time.sleep(POLL_S)
         roster.pass_exit(self.serial)
-        if self.server is not None:
-            others = sorted(arrived - {self.serial})
-            until = time.monotonic() + LINGER_S
-            while others and time.monotonic() < until:
-                others = [n for n in others if not roster.passed_exit(n)]
-                time.sleep(POLL_S / 5)
 
     def _exit_expected(self) -> list[int]:
+        """This agent and those of its round's job (``P job``'s nodes, else the round's)."""
+        round_ = self.round if self.round is not None else self.seen_round
         job = self.roster.job()
-        if job is not None and job.round == self.round:
+        if job is not None and job.round == round_:
             nodes = job.nodes
         else:
-            nodes = self.roster.members(self.round) or []
+            nodes = self.roster.members(round_) or []
         return sorted(set(nodes) | {self.serial})
+
+    def _linger(self) -> None:
+        """The agent serving the store waits, at most LINGER_S, for the agents at the exit barrier
+        to leave it: the store goes with this process."""
+        roster = self.roster
+        others = [n for n in self._exit_expected() if n != self.serial]
+        until = time.monotonic() + LINGER_S
+        while time.monotonic() < until:
+            others = [n for n in others if roster.at_exit(n) and not roster.passed_exit(n)]
+            if not others:
+                return
+            others = sorted(set(others) - self.liveness.dead(others))
+            time.sleep(POLL_S / 5)
 
 
 class KeepAlive:
