@@ -19,7 +19,10 @@ membership reads too, so agents and workers share one membership:
   (:class:`ExitStore`).
 
 The store is the c10d TCPStore of ``--rdzv_endpoint``, served by the agent on the endpoint's
-host or by ``elastic-mnist rendezvous`` (every agent ``is_host=false``). ``--rdzv_conf`` keys, read
+host (listening where that host's name resolves, elastic_mnist/stores.py; another agent there
+connects when the port is taken) or by ``elastic-mnist rendezvous`` (every agent
+``is_host=false``). An agent that waited for a job which then finished leaves with exit 0
+(:class:`GracefulExit`). No private name of torch is used here. ``--rdzv_conf`` keys, read
 as torch's c10d backend reads them (seconds may have fractions here): ``join_timeout`` (600),
 ``last_call_timeout`` (30), ``keep_alive_interval`` (5), ``keep_alive_max_attempt`` (3),
 ``is_host`` (whether the endpoint's host is this machine), ``read_timeout`` (60: the store's, for
