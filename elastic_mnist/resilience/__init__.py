@@ -7,6 +7,8 @@ changes.
   ``current``: the job's current generation, for the fence;
 - ``torchrun_agents``: the glue to torchrun's agents (read against torch 2.14.1), handed to the
   membership as the one face it knows of the launcher;
+- ``agents``: our own rendezvous backend for torchrun's agents (``--rdzv_backend=elastic-mnist``);
+  ``roster``: the records in the rendezvous store that its agents and the workers share;
 - ``survivors_group``: a survivors' process group built apart and installed (torch 2.14.1);
 - ``watchdog``: hangs told apart from slow steps; ``lease``: one live job per checkpoint folder
   (``lease_record``: what its file says);

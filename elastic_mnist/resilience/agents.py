@@ -1,0 +1,672 @@
+"""Our rendezvous backend for torchrun's agents: ``--rdzv_backend=elastic-mnist``.
+
+torchrun finds it under the ``torchrun.handlers`` entry points (pyproject.toml): :func:`backend`
+returns :func:`create_handler`, which builds an :class:`AgentsHandler` for each agent, on the
+public ``RendezvousHandler`` interface only. Its records are roster.py's, which the workers'
+membership reads too, so agents and workers share one membership:
+
+- each agent takes a serial and keeps a keep-alive counter moving from a thread of its own for
+  as long as its process lives (a store that stalls holds it up, never stops it);
+- rounds form as torch's c10d rendezvous forms them (``--nnodes=MIN:MAX``, ``last_call_timeout``,
+  ``join_timeout``), ranks in arrival order; an agent that restarts its workers moves the
+  rendezvous to the next round, and :meth:`~AgentsHandler.num_nodes_waiting` counts the agents
+  waiting there, so the others restart as torch's do;
+- while the job runs in process (rank 0 publishes ``P job`` and beats), an agent that arrives,
+  or whose workers failed, joins it instead: it returns at once with the rank its workers will
+  have once admitted, nobody restarts; beyond ``MAX`` nodes it waits, saying why in one line;
+- ranks come by arithmetic (``TORCH_ELASTIC_WORKER_IDENTICAL=1``), so nodes must have the same
+  ``--nproc_per_node``; the agent's exit barrier waits for the live agents of the job only
+  (:class:`ExitStore`).
+
+The store is the c10d TCPStore of ``--rdzv_endpoint``, served by the agent on the endpoint's
+host (listening where that host's name resolves, elastic_mnist/stores.py; another agent there
+connects when the port is taken) or by ``elastic-mnist rendezvous`` (every agent
+``is_host=false``). An agent that waited for a job which then finished leaves with exit 0
+(:class:`GracefulExit`). No private name of torch is used here. ``--rdzv_conf`` keys, read
+as torch's c10d backend reads them (seconds may have fractions here): ``join_timeout`` (600),
+``last_call_timeout`` (30), ``keep_alive_interval`` (5), ``keep_alive_max_attempt`` (3),
+``is_host`` (whether the endpoint's host is this machine), ``read_timeout`` (60: the store's, for
+connecting and reading). ``timeout``, which torchrun always passes (its legacy rendezvous
+timeout, 900 unless given), is ignored as c10d ignores it: ``join_timeout`` bounds the join.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousError,
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousParameters,
+    RendezvousStoreInfo,
+    RendezvousTimeoutError,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from elastic_mnist.errors import first_line
+from elastic_mnist.rendezvous import DEFAULT_PORT
+from elastic_mnist.resilience import roster as rs
+from elastic_mnist.resilience.roster import AgentRecord, Liveness, Roster, Watch
+
+log = logging.getLogger(__name__)
+
+NAME = "elastic-mnist"
+"""The backend's name: ``--rdzv_backend=elastic-mnist`` (pyproject.toml's entry point)."""
+POLL_S = 0.05
+"""How often an agent reads the store while a round forms or at the exit barrier."""
+WAIT_S = 0.2
+"""How often it reads while it waits for room, a job record, or its judgement of others."""
+LINGER_S = 1.0
+"""How long the agent serving the store waits, as it shuts down, for the agents at the exit
+barrier to leave it (their store goes with it)."""
+CONF = {"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
+        "is_host", "timeout", "read_timeout"}
+
+
+def backend() -> Callable[[RendezvousParameters], RendezvousHandler]:
+    """The ``torchrun.handlers`` entry point: torchrun calls it with no arguments."""
+    return create_handler
+
+
+def create_handler(params: RendezvousParameters) -> AgentsHandler:
+    return AgentsHandler(Settings.from_params(params), nproc=torchrun_nproc())
+
+
+class GracefulExit(SystemExit):
+    """The job this agent waits to enter finished, or the rendezvous is closed: torchrun exits 0.
+
+    Not torch's ``RendezvousGracefulExitError``: torch 2.14.1's ``launch_agent`` calls
+    ``is_failed()`` on the ``None`` that ``SimpleElasticAgent.run`` returns after catching it,
+    and torchrun exits 1 with an AttributeError. SystemExit(0) passes every ``except Exception``
+    of the agent, runs its ``finally`` clauses (workers stopped, :meth:`AgentsHandler.shutdown`)
+    and ends torchrun with 0 (its ``@record`` treats code 0 as success)."""
+
+    def __init__(self, why: str):
+        super().__init__(0)
+        self.why = why
+
+    def __str__(self) -> str:
+        return self.why
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One agent's rendezvous, from torchrun's ``RendezvousParameters``."""
+
+    run_id: str
+    host: str
+    port: int
+    min_nodes: int
+    max_nodes: int
+    local_addr: str | None = None
+    is_host: bool | None = None
+    """``is_host`` of ``--rdzv_conf``; None: whether ``host`` is this machine."""
+    join_timeout_s: float = 600.0
+    last_call_timeout_s: float = 30.0
+    keep_alive_interval_s: float = rs.KEEP_ALIVE_S
+    keep_alive_max_attempt: int = rs.KEEP_ALIVE_ATTEMPTS
+    timeout_s: float = 60.0
+
+    @classmethod
+    def from_params(cls, params: RendezvousParameters) -> Settings:
+        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
+        unknown = sorted(set(params.config) - CONF)
+        if unknown:
+            log.warning("the %s rendezvous ignores --rdzv_conf key(s) %s (it reads %s)", NAME,
+                        ", ".join(unknown), ", ".join(sorted(CONF)))
+
+        def seconds(key: str, default: float, zero: bool = False) -> float:
+            value = params.get(key, default)
+            try:
+                parsed = float(value)
+            except (TypeError, ValueError):
+                parsed = float("nan")
+            if not (0 <= parsed < float("inf")) or (parsed == 0 and not zero):
+                raise ValueError(f"--rdzv_conf {key}={value!r}: a number of seconds "
+                                 f"{'of 0 or more' if zero else 'above 0'} is expected")
+            return parsed
+
+        attempts = params.get_as_int("keep_alive_max_attempt", rs.KEEP_ALIVE_ATTEMPTS)
+        if attempts is None or attempts < 1:
+            raise ValueError(f"--rdzv_conf keep_alive_max_attempt={attempts}: 1 or more")
+        return cls(run_id=params.run_id, host=host, port=port, min_nodes=params.min_nodes,
+                   max_nodes=params.max_nodes, local_addr=params.local_addr,
+                   is_host=params.get_as_bool("is_host"),
+                   join_timeout_s=seconds("join_timeout", 600.0),
+                   last_call_timeout_s=seconds("last_call_timeout", 30.0, zero=True),
+                   keep_alive_interval_s=seconds("keep_alive_interval", rs.KEEP_ALIVE_S),
+                   keep_alive_max_attempt=attempts,
+                   timeout_s=seconds("read_timeout", 60.0))
+
+
+def torchrun_nproc(argv: list[str] | None = None) -> int:
+    """``--nproc_per_node`` as torchrun itself reads it from this agent's command line."""
+    from torch.distributed.run import determine_local_world_size, get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str) -> None:
+        raise ValueError(message)
+
+    parser.error = refuse  # type: ignore[method-assign] - argparse would exit
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return determine_local_world_size(parser.parse_args(argv).nproc_per_node)
+    except (ValueError, SystemExit) as e:
+        raise RendezvousError(
+            f"the {NAME} rendezvous reads --nproc_per_node from torchrun's command line, and "
+            f"this one is not torchrun's ({first_line(e)}): {' '.join(argv)[:200]}") from None
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine: a loopback name or address, its host name, or a
+    name that resolves to one of its host name's addresses."""
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    if host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(theirs & ours)
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Where one rendezvous put this agent."""
+
+    round: int
+    rank: int
+    world_size: int
+    join: int | None = None
+    """The join ticket, when the agent joins the live job of ``round``."""
+
+
+class AgentsHandler(RendezvousHandler):
+    """One torchrun agent's rendezvous (see the module's docstring)."""
+
+    def __init__(self, settings: Settings, nproc: int):
+        self.settings, self.nproc = settings, nproc
+        self.server, self.store = self._connect()
+        self.port = self.store.port
+        self.roster = Roster(self.store, settings.run_id)
+        try:
+            self.serial = self.roster.register(AgentRecord(
+                host=socket.gethostname(), addr=settings.local_addr or socket.getfqdn(),
+                pid=os.getpid(), nproc=nproc))
+        except RuntimeError as e:
+            raise RendezvousConnectionError(f"the rendezvous store at {self.endpoint} failed: "
+                                            f"{first_line(e)}") from None
+        self.keep_alive = KeepAlive(self._client, settings.run_id, self.serial,
+                                    settings.keep_alive_interval_s)
+        self.liveness = Liveness(self.roster, self.serial, settings.keep_alive_max_attempt)
+        self.round: int | None = None
+        """The round this agent was last answered in (None before its first rendezvous)."""
+        self.seen_round: int | None = None
+        """The round whose job this agent waits to enter, before its first answer."""
+        self.join: int | None = None
+        self.waited = False
+        """Whether this agent waited for a job it found running (see :meth:`_finish`)."""
+        self.records: dict[int, AgentRecord] = {}
+        self.next_look = 0.0
+        self.exit_store = ExitStore(self)
+        self.environment: dict[str, str] = {}
+        """What this handler exported to its workers (also in ``os.environ``)."""
+        self._export(TORCH_ELASTIC_WORKER_IDENTICAL="1", **{
+            rs.ENV_RDZV: self.endpoint, rs.ENV_RDZV_ID: settings.run_id,
+            rs.ENV_AGENT: str(self.serial),
+            rs.ENV_KEEP_ALIVE: rs.keep_alive_env(settings.keep_alive_interval_s,
+                                                 settings.keep_alive_max_attempt)})
+
+    # --- the store ---------------------------------------------------------------------------
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port`` of the store (``[host]:port`` for an IPv6 address)."""
+        host = self.settings.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def _client(self, port: int | None = None) -> dist.TCPStore:
+        return dist.TCPStore(self.settings.host, self.port if port is None else port,
+                             is_master=False,
+                             timeout=datetime.timedelta(seconds=self.settings.timeout_s))
+
+    def _connect(self) -> tuple[dist.TCPStore | None, dist.TCPStore]:
+        """(the store this agent serves, or None; this agent's connection to the store)."""
+        from elastic_mnist.stores import serve_store
+
+        s = self.settings
+        server = None
+        if s.is_host if s.is_host is not None else is_this_machine(s.host):
+            try:
+                server = serve_store(s.host, s.port, peers_local=False,
+                                     timeout=datetime.timedelta(seconds=s.timeout_s))
+                log.info("this agent (pid %d) serves the rendezvous store on %s:%d",
+                         os.getpid(), s.host, server.port)
+            except (OSError, RuntimeError) as e:
+                if s.is_host:
+                    raise RendezvousConnectionError(
+                        f"cannot serve the rendezvous store on {s.host}:{s.port} (is_host=true): "
+                        f"{first_line(e)}") from None
+        try:
+            return server, self._client(s.port if server is None else server.port)
+        except RuntimeError as e:
+            raise RendezvousConnectionError(f"cannot reach the rendezvous store at {s.host}:"
+                                            f"{s.port}: {first_line(e)}") from None
+
+    def _export(self, **variables: str | None) -> None:
+        """Puts ``variables`` in this process's environment (None: removes it), which torchrun's
+        agent hands its workers."""
+        for name, value in variables.items():
+            if value is None:
+                os.environ.pop(name, None)
+                self.environment.pop(name, None)
+            else:
+                os.environ[name] = self.environment[name] = value
+
+    # --- RendezvousHandler -------------------------------------------------------------------
+
+    def get_backend(self) -> str:
+        return NAME
+
+    @property
+    def use_agent_store(self) -> bool:
+        """Workers reach the rendezvous store as MASTER_ADDR:MASTER_PORT, as under c10d."""
+        return True
+
+    def get_run_id(self) -> str:
+        return self.settings.run_id
+
+    def is_closed(self) -> bool:
+        return self.roster.closed()
+
+    def set_closed(self) -> None:
+        self.roster.set_closed()
+
+    def num_nodes_waiting(self) -> int:
+        """Agents waiting in the next round: torch's agent restarts its workers for them.
+
+        torch's agent asks every ``--monitor_interval`` while its workers run: at most twice per
+        keep-alive interval, this agent then also looks at the keep-alives of the job's agents,
+        so that it knows the dead ones when it reaches the exit barrier."""
+        if self.round is None:
+            return 0
+        if time.monotonic() >= self.next_look:
+            self.liveness.dead(self._exit_expected())
+            self.next_look = time.monotonic() + self.settings.keep_alive_interval_s / 2
+        return self.roster.waiting(self.round)
+
+    def shutdown(self) -> bool:
+        """Stops the keep-alive and tells the others this agent is gone (the rendezvous stays
+        open: other agents may still come); the agent serving the store first lets those at the
+        exit barrier leave it."""
+        self.keep_alive.stop()
+        try:
+            self.roster.leave(self.serial)
+            if self.server is not None:
+                self._linger()
+        except Exception as e:  # noqa: BLE001 - the store's host may have exited already
+            log.debug("could not record agent %d's end: %s", self.serial, first_line(e))
+        return True
+
+    def next_rendezvous(self) -> RendezvousInfo:
+        deadline = time.monotonic() + self.settings.join_timeout_s
+        answer = None if self.round is None else self._reenter()
+        while answer is None:
+            if self.roster.closed():
+                self._finish(f"the rendezvous {self.settings.run_id} is closed")
+            r = self.roster.round()
+            members = self.roster.members(r)
+            if members is None:
+                members = self._arrive(r, deadline)
+                if members is None:
+                    continue
+                if self.serial in members:
+                    answer = Answer(r, members.index(self.serial), len(members))
+                    break
+            answer = self._late(r, members)
+        return self._answer(answer)
+
+    # --- rounds ------------------------------------------------------------------------------
+
+    def _answer(self, answer: Answer) -> RendezvousInfo:
+        self.round, self.join = answer.round, answer.join
+        self._export(**{rs.ENV_ROUND: str(answer.round),
+                        rs.ENV_JOIN: None if answer.join is None else str(answer.join)})
+        log.info("agent %d: round %d, group rank %d of %d%s", self.serial, answer.round,
+                 answer.rank, answer.world_size,
+                 "" if answer.join is None else f" (joining the live job, ticket {answer.join})")
+        return RendezvousInfo(self.exit_store, answer.rank, answer.world_size,
+                              RendezvousStoreInfo(self.settings.host, self.port))
+
+    def _record(self, serial: int) -> AgentRecord | None:
+        if serial not in self.records:
+            found = self.roster.agent(serial)
+            if found is None:
+                return None
+            self.records[serial] = found
+        return self.records[serial]
+
+    def _check_nproc(self, round_: int) -> None:
+        """Refuses this agent when the round's first agent has another ``--nproc_per_node``."""
+        first = self.roster.arrivals(round_)[:1]
+        record = self._record(first[0]) if first else None
+        if record is not None and record.nproc != self.nproc:
+            raise RendezvousError(
+                f"this node has --nproc_per_node={self.nproc}, the job's nodes have "
+                f"{record.nproc} (agent {first[0]} on {record.host}): every node of a job "
+                f"needs the same")
+
+    def _arrive(self, round_: int, deadline: float) -> list[int] | None:
+        """Arrives in ``round_`` and waits until it closes: its members (None: the rendezvous
+        moved on to another round first)."""
+        s = self.settings
+        self._check_nproc(round_)
+        if self.roster.arrive(round_, self.serial) > 0:
+            self._check_nproc(round_)
+        arrivals: list[int] = []
+        dead: set[int] = set()
+        since_min = next_judgement = None
+        while True:
+            members = self.roster.members(round_)
+            if members is not None:
+                return members
+            if self.roster.round() != round_:
+                return None
+            arrivals = self.roster.arrivals(round_, arrivals)
+            if not arrivals:  # the first arrival's record is on its way
+                time.sleep(POLL_S)
+                continue
+            now = time.monotonic()
+            if next_judgement is None or now >= next_judgement:
+                dead, next_judgement = self.liveness.dead(arrivals), now + WAIT_S
+            nproc = self._record(arrivals[0]).nproc
+            valid = [n for n in arrivals if n not in dead and self._record(n).nproc == nproc]
+            since_min = (since_min or now) if len(valid) >= s.min_nodes else None
+            if since_min is not None and (len(valid) >= s.max_nodes
+                                          or now - since_min >= s.last_call_timeout_s):
+                self.roster.close_round(round_, valid[:s.max_nodes])
+                continue
+            if now >= deadline:
+                raise RendezvousTimeoutError(
+                    f"the rendezvous {s.run_id} did not gather --nnodes' minimum of "
+                    f"{s.min_nodes} nodes within join_timeout={s.join_timeout_s:g}s "
+                    f"({len(valid)} in round {round_})")
+            time.sleep(POLL_S)
+
+    def _reenter(self) -> Answer | None:
+        """This agent comes back (its workers failed, or agents wait in the next round): into the
+        live job of its round when there is one, else it moves the rendezvous to the next round
+        (the restart path; None: arrive there)."""
+        r = self.round
+        if self.roster.round() == r:
+            state = self._job_state(r, Watch(self.store, self.roster.key(f"alive/{self.serial}"),
+                                             self.settings.keep_alive_max_attempt))
+            if state == "live":
+                return self._join(r)
+            self.roster.bump_round(r)
+        return None
+
+    def _late(self, round_: int, members: list[int]) -> Answer | None:
+        """``round_`` closed without this agent: into its live job, or, when that job does not run
+        in process (or publishes nothing within ``last_call_timeout``, or died), into the next
+        round, room permitting (None: arrive in the round the rendezvous is in now). Once one of
+        the round's agents is at the exit barrier (its workers succeeded) and the others too or
+        dead, the job is over."""
+        s = self.settings
+        start, said = time.monotonic(), False
+        self.seen_round = round_
+        watch = Watch(self.store, self.roster.key(f"alive/{self.serial}"),
+                      s.keep_alive_max_attempt)
+        while True:
+            if self.roster.closed():
+                self._finish(f"the rendezvous {s.run_id} is closed")
+            if self.roster.round() != round_:
+                return None
+            state = self._job_state(round_, watch)
+            if state == "live":
+                return self._join(round_)
+            if self._over(members):
+                self._finish(f"the job of round {round_} has finished")
+            if state == "dead" or state == "restart" or (
+                    state == "none" and time.monotonic() - start >= s.last_call_timeout_s):
+                alive = set(members) - self.liveness.dead(members)
+                if state == "dead" or len(alive) < s.max_nodes:
+                    self.roster.bump_round(round_)
+                    return None
+                said = said or self._say_at_maximum()
+            self._wait()
+
+    def _over(self, members: list[int]) -> bool:
+        """Whether the agents of ``members`` are at the exit barrier (but the dead), one at least."""
+        arrived = {n for n in members if self.roster.at_exit(n)}
+        return bool(arrived) and not set(members) - arrived - self.liveness.dead(members)
+
+    def _job_state(self, round_: int, watch: Watch) -> str:
+        """The job of ``round_``: "none" (no record of it), "restart" (it does not run in
+        process), "live" (its beat moves), "dead" (its beat stood still, or every node of it
+        but this one is dead); raises :class:`GracefulExit` when it finished."""
+        self.roster.beats()
+        while True:
+            job = self.roster.job()
+            if job is None or job.round != round_:
+                return "none"
+            if job.finished:
+                self._finish(f"the job {self.settings.run_id} has finished")
+            if not job.in_process:
+                return "restart"
+            others = [n for n in job.nodes if n != self.serial]
+            moving, still = watch.look([self.roster.beat_key()])
+            if not set(others) - self.liveness.dead(others) or still:
+                log.warning("the job of round %d is gone (%s): agent %d starts the next round",
+                            round_, "its beat stood still" if still else "its nodes are dead",
+                            self.serial)
+                return "dead"
+            if moving:
+                return "live"
+            time.sleep(WAIT_S)
+
+    def _join(self, round_: int) -> Answer | None:
+        """Joins the live job of ``round_``: the rank its workers will have once admitted, after
+        its nodes and the tickets before this one. At ``--nnodes``' maximum it waits for room,
+        saying so once; when the job's beat stops it moves the rendezvous on (None)."""
+        s = self.settings
+        self.seen_round = round_
+        self._check_nproc(round_)
+        j = self.roster.join(round_, self.serial)
+        beat = Watch(self.store, self.roster.key(f"alive/{self.serial}"), s.keep_alive_max_attempt)
+        said = False
+        while True:
+            if self.roster.closed():
+                self._finish(f"the rendezvous {s.run_id} is closed")
+            job = self.roster.job()
+            if self.roster.round() != round_ or job is None or job.round != round_:
+                return None
+            if job.finished:
+                self._finish(f"the job {s.run_id} has finished")
+            if beat.look([self.roster.beat_key()])[1]:
+                log.warning("the job of round %d is gone (its beat stood still): agent %d starts "
+                            "the next round", round_, self.serial)
+                self.roster.bump_round(round_)
+                return None
+            tickets = self.roster.pending_joins(round_, job.nodes, set())
+            others = [n for n in job.nodes if n != self.serial]
+            dead = self.liveness.dead(others + [n for _, n in tickets])
+            nodes = [n for n in others if n not in dead]
+            before = [t for t, n in tickets if t < j and n not in dead]
+            rank = len(nodes) + len(before)
+            if rank < s.max_nodes:
+                return Answer(round_, rank, rank + 1, join=j)
+            said = said or self._say_at_maximum()
+            self._wait()
+
+    def _say_at_maximum(self) -> bool:
+        log.warning("the job runs at its --nnodes maximum of %d nodes: this node enters when one "
+                    "leaves", self.settings.max_nodes)
+        return True
+
+    def _wait(self) -> None:
+        self.waited = True
+        time.sleep(WAIT_S)
+
+    def _finish(self, why: str) -> None:
+        """Leaves, with exit 0, an agent that waited for the job; an agent that finds it over at
+        its first look fails as torch's c10d does for a closed rendezvous (its --rdzv_id is
+        another job's, or it came after the end)."""
+        if self.round is None and not self.waited:
+            raise RendezvousClosedError(f"{why} (agent {self.serial} came after its end; a new "
+                                        f"job needs a --rdzv_id of its own)")
+        log.warning("%s: agent %d leaves (exit 0)", why, self.serial)
+        raise GracefulExit(why)
+
+    # --- the exit barrier --------------------------------------------------------------------
+
+    def exit_barrier(self, timeout_s: float) -> None:
+        """Waits until every live agent of the job has arrived here too, at most ``timeout_s``:
+        the agents of the job's last record of this round (``P job``'s nodes), else those of the
+        round."""
+        roster = self.roster
+        roster.arrive_at_exit(self.serial)
+        start = time.monotonic()
+        arrived: set[int] = {self.serial}
+        while True:
+            expected = self._exit_expected()
+            missing = [n for n in expected if n not in arrived]
+            arrived |= {n for n in missing if roster.at_exit(n)}
+            missing = [n for n in missing if n not in arrived]
+            if missing:
+                missing = sorted(set(missing) - self.liveness.dead(missing))
+            if not missing:
+                break
+            if time.monotonic() - start >= timeout_s:
+                raise dist.DistStoreError(
+                    f"the exit barrier timed out after {timeout_s:g}s: agent(s) "
+                    f"{', '.join(map(str, missing))} of the job are alive and have not arrived")
+            time.sleep(POLL_S)
+        roster.pass_exit(self.serial)
+
+    def _exit_expected(self) -> list[int]:
+        """This agent and those of its round's job (``P job``'s nodes, else the round's)."""
+        round_ = self.round if self.round is not None else self.seen_round
+        job = self.roster.job()
+        if job is not None and job.round == round_:
+            nodes = job.nodes
+        else:
+            nodes = self.roster.members(round_) or []
+        return sorted(set(nodes) | {self.serial})
+
+    def _linger(self) -> None:
+        """The agent serving the store waits, at most LINGER_S, for the agents at the exit barrier
+        to leave it: the store goes with this process."""
+        roster = self.roster
+        others = [n for n in self._exit_expected() if n != self.serial]
+        until = time.monotonic() + LINGER_S
+        while time.monotonic() < until:
+            others = [n for n in others if roster.at_exit(n) and not roster.passed_exit(n)]
+            if not others:
+                return
+            others = sorted(set(others) - self.liveness.dead(others))
+            time.sleep(POLL_S / 5)
+
+
+class KeepAlive:
+    """Agent ``serial``'s keep-alive: a thread that raises its counter every ``interval_s``, on
+    a store connection of its own, from start until :meth:`stop`. A store that stalls holds a
+    raise up; one that fails is said once, then the thread connects again and goes on."""
+
+    def __init__(self, connect: Callable[[], dist.Store], run_id: str, serial: int,
+                 interval_s: float):
+        self.connect, self.run_id, self.serial, self.interval_s = (connect, run_id, serial,
+                                                                   interval_s)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"rdzv-keep-alive-{serial}")
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        roster, failing = None, False
+        while not self.stopped.wait(self.interval_s):
+            try:
+                if roster is None:
+                    roster = Roster(self.connect(), self.run_id)
+                roster.keep_alive(self.serial)
+                if failing:
+                    log.warning("agent %d's keep-alive reaches the store again", self.serial)
+                    failing = False
+            except Exception as e:  # noqa: BLE001 - never stop while the agent lives
+                roster = None
+                if not failing and not self.stopped.is_set():
+                    log.warning("agent %d's keep-alive cannot reach the store (%s): it tries "
+                                "again every %gs", self.serial, first_line(e), self.interval_s)
+                    failing = True
+
+
+class ExitStore(dist.Store):
+    """The store torchrun's agent gets with each rendezvous, which it uses for its exit barrier
+    alone (with ``TORCH_ELASTIC_WORKER_IDENTICAL=1``): ``set_timeout`` and ``timeout``, ``add``
+    and ``set`` (kept under this agent's private prefix, ``P exitstore/<n>/``, whatever the key),
+    and ``wait``, which is our barrier (:meth:`AgentsHandler.exit_barrier`). Anything else it is
+    asked is refused with an error that names it: torch's agent asks more than ours knows."""
+
+    ASKED = ("set_timeout", "timeout", "add", "set", "wait")
+
+    def __init__(self, handler: AgentsHandler):
+        super().__init__()
+        self.handler = handler
+        self._timeout = datetime.timedelta(seconds=handler.settings.timeout_s)
+
+    @property
+    def timeout(self) -> datetime.timedelta:
+        return self._timeout
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._timeout = timeout
+
+    def _key(self, key: str) -> str:
+        return self.handler.roster.key(f"exitstore/{self.handler.serial}/{key}")
+
+    def add(self, key: str, value: int) -> int:
+        return self.handler.store.add(self._key(key), value)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self.handler.store.set(self._key(key), value)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self.handler.exit_barrier((timeout or self._timeout).total_seconds())
+
+
+def _refused(name: str) -> Callable[..., None]:
+    def refuse(self: ExitStore, *args: object, **kwargs: object) -> None:
+        message = (f"torchrun's agent asked the exit store for {name}(), which the {NAME} "
+                   f"rendezvous does not provide (it knows {', '.join(ExitStore.ASKED)}): "
+                   f"elastic_mnist/resilience/agents.py needs to learn this torch")
+        log.error(message)
+        raise RuntimeError(message)
+
+    return refuse
+
+
+for _name in dir(dist.Store):
+    if not _name.startswith("_") and _name not in ExitStore.ASKED:
+        setattr(ExitStore, _name, _refused(_name))
