@@ -30,12 +30,14 @@ from elastic_mnist.errors import EXIT_DROPPED, EXIT_GAVE_UP, Dropped, PeerFailur
 from elastic_mnist.events import EventLog, read_events
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
+    UNKNOWN,
     Fault,
     Identity,
     Pulses,
     close_membership,
     pulse_key,
     successor_env,
+    whole_nodes,
 )
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 from elastic_mnist.resilience.lease import LeaseKeeper
@@ -182,6 +184,23 @@ def test_survivors_are_renumbered_in_the_order_of_their_old_ranks():
     first = successor_env(DistEnv(rank=1, world_size=5, local_rank=1, local_world_size=2,
                                   launched=True), [1, 4], identities)
     assert (first.rank, first.local_rank, first.local_world_size, first.is_main) == (0, 0, 1, True)
+
+
+def test_the_survivors_of_a_death_go_on_without_the_dead_ranks_whole_node():
+    """A worker that died takes its node's other workers with it (their agent restarts them all),
+    where ranks that hung or left, named in the fault, take nobody."""
+    identities = {rank: Identity(host, 100 + rank, agent, local)
+                  for rank, (host, agent, local) in enumerate(
+                      [("a", 10, 0), ("b", 20, 0), ("b", 20, 1), ("c", 30, 0), ("c", 30, 1)])}
+    died = Fault("died", [], 0, "", 0.0)
+    assert whole_nodes([0, 1, 3, 4], identities, died, 5) == [0, 3, 4]  # rank 2 died
+    assert whole_nodes([0, 1, 2, 3], identities, Fault("died", [4], 0, "", 0.0), 5) == [0, 1, 2]
+    for why in ("hung", "left"):  # the named ranks alone; a rank that died besides them counts
+        named = Fault(why, [2], 0, "", 0.0)
+        assert whole_nodes([0, 1, 3, 4], identities, named, 5) == [0, 1, 3, 4]
+        assert whole_nodes([0, 1, 3], identities, named, 5) == [0, 1]
+    unknown = {**identities, 2: UNKNOWN}  # lost before it said who it was: no node to name
+    assert whole_nodes([0, 1, 3, 4], unknown, died, 5) == [0, 1, 3, 4]
 
 
 def test_a_declared_fault_fails_every_pending_and_later_wait(members):

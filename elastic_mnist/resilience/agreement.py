@@ -54,6 +54,11 @@ class Identity:
     (containers, each its node's pid 1, on hosts of one name) are told apart by it."""
 
     @property
+    def node(self) -> tuple[str, int]:
+        """The agent that started this process: workers of one node share it."""
+        return self.host, self.agent
+
+    @property
     def key(self) -> str:
         """This process's own name in the coordination store, unlike any other's."""
         return f"{self.host}/{self.pid}/{self.nonce}"
@@ -166,11 +171,22 @@ def pulse_key(identity: Identity) -> str | None:
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:
     """This rank's place among the survivors: ranks in the order of the old ones, local ranks
     among the survivors started by the same agent, node ranks in the order nodes first appear."""
-    mine = identities[env.rank]
-    node = (mine.host, mine.agent)
-    siblings = [r for r in members if (identities[r].host, identities[r].agent) == node]
-    nodes = list(dict.fromkeys((identities[r].host, identities[r].agent) for r in members))
+    node = identities[env.rank].node
+    siblings = [r for r in members if identities[r].node == node]
+    nodes = list(dict.fromkeys(identities[r].node for r in members))
     return dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members),
                                local_rank=siblings.index(env.rank),
                                local_world_size=len(siblings), group_rank=nodes.index(node),
                                group_world_size=len(nodes))
+
+
+def whole_nodes(members: list[int], identities: dict[int, Identity], fault: Fault,
+                world_size: int) -> list[int]:
+    """``members`` without the siblings of a rank that died: a node whose worker died has its
+    agent restart all of its workers (torchrun's way), so the survivors go on without every rank
+    of that node instead of waiting for the others to be stopped in a second round. Ranks that
+    left or hung (named in a fault of that kind) take nobody with them."""
+    named = set(fault.suspects) if fault.why != "died" else set()
+    dead = {identities[r].node for r in range(world_size)
+            if r not in members and r not in named and identities[r] != UNKNOWN}
+    return [r for r in members if identities[r].node not in dead]

@@ -55,6 +55,7 @@ from elastic_mnist.resilience.agreement import (
     close_membership,
     pulse_key,
     successor_env,
+    whole_nodes,
 )
 from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
@@ -113,8 +114,10 @@ class Recovery:
             pulses = Pulses(m.store, {r: pulse_key(i) for r, i in identities.items()},
                             m.pulse_key)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
-            members = close_membership(m.store, m.key(""), expected, fault.suspects,
-                                       pulses, limit_s=m.bound_s / 2)
+            members = whole_nodes(close_membership(m.store, m.key(""), expected,
+                                                   fault.suspects, pulses,
+                                                   limit_s=m.bound_s / 2),
+                                  identities, fault, m.env.world_size)
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
             positions = [Position(**json.loads(value)) for value in m.store.multi_get(
