@@ -80,8 +80,10 @@ class NoAgents:
 
 
 def agents_for(env: DistEnv) -> NoAgents:
-    """torchrun's agents of ``env``'s c10d rendezvous, or none."""
-    return NoAgents() if env.rendezvous is None else TorchrunAgents(env.rendezvous)
+    """torchrun's agents of ``env``'s c10d rendezvous, or none (none either under our own
+    rendezvous, whose handler keeps its agents itself)."""
+    rdzv = env.rendezvous
+    return TorchrunAgents(rdzv) if rdzv is not None and rdzv.backend == "c10d" else NoAgents()
 
 
 class TorchrunAgents(NoAgents):
