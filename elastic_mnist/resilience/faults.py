@@ -27,8 +27,12 @@
     die-adopting@STEP:RANK       in that recovery, once the new group is built, that rank kills
                          its own node as the survivors begin to take the agreed state
     freeze-adopting@STEP:RANK    the same, but it stops itself (SIGSTOP) there
+    slow@STEP:RANK       from step STEP on, whichever process holds that rank (in every
+                         generation) takes SLOW_S longer over each step, as a slower machine
+                         would: a pace for tests that act while a job trains
 
-Each fires at most once per worker process. All but ``nan-grad`` fire only in a launch's first
+Each fires at most once per worker process (``slow`` at every step). All but ``nan-grad`` and
+``slow`` fire only in a launch's first
 attempt (``TORCHELASTIC_RESTART_COUNT`` 0), before any change of membership in
 process: the attempt torchrun restarts after them, or the group the survivors regroup in, runs
 clean, as it would once a real fault has passed, instead of meeting them again forever (a survivor
@@ -50,12 +54,14 @@ from dataclasses import dataclass
 from elastic_mnist.errors import EnvError
 
 FAULT_VAR = "ELASTIC_MNIST_FAULT"
-KINDS = ("nan-grad", "hang", "stall", "disk-full", "die", "busy", "die-recovering",
+KINDS = ("nan-grad", "slow", "hang", "stall", "disk-full", "die", "busy", "die-recovering",
          "freeze-recovering", "hang-save", "die-agreeing", "freeze-agreeing", "die-adopting",
          "freeze-adopting")
-FIRST_ATTEMPT = KINDS[1:]
+FIRST_ATTEMPT = KINDS[2:]
 BUSY_S = 3.0
 """How late ``busy`` makes its rank: twice the silence that gives the dead away (SILENT_PULSES)."""
+SLOW_S = 0.05
+"""How much longer ``slow`` makes each step of its rank."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +88,9 @@ class Faults:
     """The faults this process is to inject; asked at the places where each would strike."""
 
     def __init__(self, faults: tuple[Fault, ...] = (), rank: int = 0):
-        self.pending = {(f.kind, f.step) for f in faults if f.rank == rank}
+        self.pending = {(f.kind, f.step) for f in faults if f.rank == rank and f.kind != "slow"}
+        self.slow_from = min((f.step for f in faults if f.rank == rank and f.kind == "slow"),
+                             default=None)
 
     @classmethod
     def from_environ(cls, rank: int, restart_count: int,
@@ -102,6 +110,8 @@ class Faults:
         return False
 
     def maybe_hang(self, step: int) -> None:
+        if self.slow_from is not None and step >= self.slow_from:
+            time.sleep(SLOW_S)
         if self.fires("hang", step):
             freeze_here()
         if self.fires("stall", step):
