@@ -43,21 +43,25 @@ def process_group(env: DistEnv, device: torch.device,
                   timeout_s: float) -> Iterator[dist.Store | None]:
     """Joins the job's process group for the duration of the block, and always leaves it.
 
-    Yields a connection of its own to the group's store (None in a single process), for threads
-    that talk beside the training loop's collectives.
+    Yields a connection of its own to the group's store (None in a single process, and for a
+    worker of a node that joins a job as it trains: its group is the job's next generation,
+    which the membership installs once the job admits it), for threads that talk beside the
+    training loop's collectives.
     """
     if not env.is_distributed:
         yield None
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = attempt_store(env, timeout)
-    dist.init_process_group(backend=backend_for(device), timeout=timeout,
-                            device_id=device if device.type == "cuda" else None,
-                            store=store, rank=env.rank, world_size=env.world_size)
+    store = None
+    if env.join is None:
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = attempt_store(env, timeout)
+        dist.init_process_group(backend=backend_for(device), timeout=timeout,
+                                device_id=device if device.type == "cuda" else None,
+                                store=store, rank=env.rank, world_size=env.world_size)
     try:
-        yield store.clone()
+        yield None if store is None else store.clone()
     finally:
         if dist.is_initialized():  # a recovery in process may have replaced it, or failed to
             dist.destroy_process_group()

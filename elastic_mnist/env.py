@@ -97,6 +97,13 @@ class DistEnv:
         return self.local_rank == 0
 
     @property
+    def join(self) -> int | None:
+        """The admission this worker's node joins a running job by (our rendezvous's
+        ``ELASTIC_MNIST_JOIN``): its workers start no group of their own, and enter the job's next
+        generation when it admits them (joiner.py). None for a worker of a whole job's start."""
+        return None if self.rendezvous is None else self.rendezvous.join
+
+    @property
     def is_distributed(self) -> bool:
         """True when a process group must be created."""
         return self.launched

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import platform
@@ -54,6 +55,7 @@ from elastic_mnist.resilience.fence import Fence
 from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
+from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.torchrun_agents import agents_for
 from elastic_mnist.trainer import Trainer
 
@@ -96,13 +98,14 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
         log.warning("%s", SYNTHETIC_WARNING)
     log.info("data: %s", dataset.describe())
 
-    membership = start_membership(cfg, env, device, generation)
+    membership = start_membership(cfg, env, device, generation, run_id)
     duties = Duties(cfg, run_id, run_dir, checkpoint_dir, store, membership,
                     Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
     if lease is not None:
         lease.fence_renewals(duties.fence)
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,
                       membership=duties.membership, after_change=duties.after)
+    describe_job(duties.membership, trainer)
     resume = find_resume_payload(checkpoint_dir, env, device)
     if resume is not None:  # checked against this run before any run file is opened
         payload, source = resume
@@ -127,6 +130,12 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                             new_world_size=env.world_size)
 
     writers.watchdog.start()
+    return train_to_the_end(cfg, env, trainer, duties)
+
+
+def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: Duties) -> int:
+    """The loop, and how the job ends for this worker (every worker, whether it started with
+    the job or joined it): the records, the lines, the exit status."""
     duties.membership.on_fallback = partial(record_fallback, duties, trainer.progress)
     try:
         with stop_on_signals() as stop:
@@ -141,6 +150,14 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     finally:  # a rank the job went on without leaves with that line alone
         trainer.writers.close(dropped=isinstance(sys.exc_info()[1], Dropped))
     step, events = trainer.progress.step, trainer.writers.events
+    if outcome == "unadmitted":
+        log.warning("the job ended before it admitted this node: nothing to do")
+        return 0
+    if outcome == "stopped":
+        log.warning("the job stopped before it admitted this node (its beat stood still for "
+                    "%.0f s): exiting with %d, so that torchrun restarts this node into the "
+                    "job's next round", duties.membership.bound_s, EXIT_PREEMPTED)
+        return EXIT_PREEMPTED
     if outcome != "finished":
         events.emit(outcome, step, signal=stop.signal_name)
         events.close()
@@ -152,16 +169,19 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     test_loss, test_accuracy = trainer.report.last_eval or (None, None)
     events.emit("finish", step, test_accuracy=test_accuracy, test_loss=test_loss)
     events.close()
+    duties.membership.finish()
     duties.membership.release_agents()
     log.info("finished at step %d", step)
     return 0
 
 
 def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
-                     generation: int) -> NullMembership:
+                     generation: int, run_id: str = "") -> NullMembership:
     """The membership survivors recover through in process, on the rendezvous store, where they
     can (``--recovery``, a multi-node c10d rendezvous, a store that answers on every rank);
-    else the restart path: every fault restarts the job through torchrun."""
+    else the restart path: every fault restarts the job through torchrun. In process, the job
+    is published in the rendezvous records (``run_id``: the training run's), and nodes join
+    it in process (admissions.py)."""
     wanted = cfg.run.recovery
     unread = unread_rendezvous(env) if wanted != "restart" else None
     # Every rank takes the same path (a wrapper may hide the agent on some nodes only).
@@ -193,7 +213,27 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout,
                       folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch,
-                      agents=agents_for(env))
+                      agents=agents_for(env), records=Roster(store.clone(), rdzv.run_id),
+                      run_id=run_id)
+
+
+DESCRIPTION = "description"
+"""Key, in the launch's store, of rank 0's description of the job (:func:`describe_job`)."""
+
+
+def describe_job(membership: NullMembership, trainer: Trainer) -> None:
+    """Rank 0 of a job that nodes may join in process: its flags, its data and its model's
+    shapes, in the launch's store, for a joining worker to check itself against before it says
+    it is ready (joiner.py)."""
+    if not (membership.in_process and trainer.env.is_main):
+        return
+    data = trainer.dataset
+    membership.store.set(DESCRIPTION, json.dumps({
+        "config": trainer.cfg.to_dict(),
+        "data": {"kind": data.kind, "num_train": len(data.train),
+                 "fingerprint": data.fingerprint},
+        "model": {key: list(tensor.shape) for key, tensor in trainer.model.state_dict().items()},
+    }))
 
 
 def check_recovery(recovery: str, device: torch.device) -> None:
@@ -304,9 +344,7 @@ def prepare_dataset(cfg: TrainConfig, env: DistEnv, device: torch.device) -> Dat
     kind = cfg.data.dataset
     if env.is_local_main:
         try:
-            kind = prepare(Path(cfg.data.data_dir), cfg.data.dataset,
-                           download=cfg.data.download,
-                           synthetic_fallback=cfg.data.synthetic_fallback)
+            kind = prepare_files(cfg)
         except DataError as e:
             error = e
     outcome = torch.tensor([error is not None, kind == "synthetic"], dtype=torch.int32,
@@ -320,6 +358,14 @@ def prepare_dataset(cfg: TrainConfig, env: DistEnv, device: torch.device) -> Dat
     dataset = load(dataset_root(Path(cfg.data.data_dir), cfg.data.dataset, kind), kind)
     check_same_data(dataset, env, device)
     return dataset
+
+
+def prepare_files(cfg: TrainConfig) -> str:
+    """Makes this node's data files exist, as ``--data-dir``, ``--dataset``, ``--download`` and
+    ``--synthetic-fallback`` ask; returns the kind prepared."""
+    d = cfg.data
+    return prepare(Path(d.data_dir), d.dataset, download=d.download,
+                   synthetic_fallback=d.synthetic_fallback)
 
 
 def check_same_data(dataset: Dataset, env: DistEnv, device: torch.device) -> None:

@@ -34,7 +34,8 @@ LINES = {False: ("--", RESTART, "restart (generation, world size before\u2192aft
 
 @dataclass
 class Restart:
-    """A new generation: by a restart (a ``start`` record), or in process (a ``shrink``)."""
+    """A new generation: by a restart (a ``start`` record), or in process (a ``shrink`` or a
+    ``grow``)."""
 
     step: int
     generation: int
@@ -68,7 +69,7 @@ def read_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
 
 
 def read_record(run_dir: Path) -> RunRecord:
-    """Every launch after the first is a restart, every shrink a change in process; a resize
+    """Every launch after the first is a restart, every shrink or grow a change in process; a resize
     record names the old world size when no earlier start does."""
     path = run_dir / "events.jsonl"
     records = read_events(path) if path.exists() else []
@@ -82,7 +83,7 @@ def read_record(run_dir: Path) -> RunRecord:
                                         r["world_size"]))
             starts.append((r["step"], r["world_size"]))
             world = r["world_size"]
-        elif r["event"] == "shrink":
+        elif r["event"] in ("shrink", "grow"):
             restarts.append(Restart(r["step"], r["restart_generation"], r["old_world_size"],
                                     r["new_world_size"], in_process=True))
             starts.append((r["step"], r["new_world_size"]))

@@ -3,7 +3,8 @@
 A step cut short is undone (:meth:`Regroup.rollback`); the survivors agree on a step through the
 membership and take the state of the first one that completed it, checking by digest that every
 survivor holds the same model (:meth:`Regroup.adopt`); the first step after the change reports it
-(:meth:`Regroup.maybe_report_change`). The leave policy says when ranks that asked to stop leave
+(:meth:`Regroup.maybe_report_change`). Nodes that join are admitted at a step boundary and take
+rank 0's state the same way (:meth:`Regroup.grow`, :meth:`Regroup.enter`). The leave policy says when ranks that asked to stop leave
 while the others go on (:class:`LeavePolicy`). The loop sees :meth:`Regroup.recover`, the step's
 marks and the leave vote; what the agreed step still owes is the loop's (trainer.py).
 """
@@ -133,6 +134,42 @@ class Regroup:
                     change.why)
         return change
 
+    def grow(self, writers: Writers, evaluated_step: int) -> Change:
+        """At the end of the step that raised rank 0's admission flag: the job admits the
+        joining nodes, and every rank goes on in their new generation, the joiners holding rank
+        0's state. A member lost meanwhile is recovered from as after any fault (the change is
+        then that shrink). Returns the change; raises CannotRecover when this rank cannot go on.
+        ``writers``: the generation that is over's."""
+        writers.watchdog.close(wait=False)  # it watched the group that is over
+        return self._begin(writers, evaluated_step,
+                           lambda: self.membership.grow(self.position(evaluated_step)))
+
+    def enter(self, writers: Writers, admission: dict[str, Any]) -> Change:
+        """A joining worker, admitted: it takes its place in the job's new generation and the
+        state of the job's rank 0 (as :meth:`grow`)."""
+        return self._begin(writers, admission["evaluated_step"],
+                           lambda: self.membership.enter(admission))
+
+    def _begin(self, writers: Writers, evaluated_step: int,
+               begin: Callable[[], Change]) -> Change:
+        """A grow's generation begun (``begin``), and its state adopted; a fault meanwhile
+        recovered from."""
+        self.membership.inject = partial(writers.faults.maybe_strike_recovery,
+                                         step=self.progress.step + 1)
+        try:
+            change = begin()
+            self.adopt(change)
+        except PeerFailure as failure:  # a member lost as the group was built: recovered
+            return self.recover(writers, evaluated_step, detail=first_line(failure))
+        except CannotRecover as e:
+            self.membership.fall_back(str(e))
+            raise
+        log.warning("generation %d: world size %d -> %d at step %d (ranks %s joined); going "
+                    "on in process", change.generation, change.old_world_size,
+                    change.env.world_size, change.step,
+                    ", ".join(str(joined["rank"]) for joined in change.joined))
+        return change
+
     def rollback(self) -> None:
         """Undoes what a step cut short left: its BatchNorm passes' statistics, its gradients
         (garbage where a collective was given up on), evaluation mode."""
@@ -182,12 +219,25 @@ class Regroup:
         self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()
 
     def maybe_report_change(self, events: NullEventLog) -> bool:
-        """Once the new group's first step is done: the ``shrink`` record (True), else nothing."""
+        """Once the new group's first step is done: the ``shrink`` or ``grow`` record (True),
+        else nothing."""
         change, self.change = self.change, None
         if change is None:
             return False
         self.membership.recovered()
         seconds = time.monotonic() - change.detected
+        if change.kind == "grow":
+            events.emit("grow", change.step, old_world_size=change.old_world_size,
+                        new_world_size=change.env.world_size,
+                        joined_ranks=[joined["rank"] for joined in change.joined],
+                        joined_hosts=[joined["host"] for joined in change.joined],
+                        joined=change.joined, restart_generation=change.generation,
+                        admission_to_step_s=round(seconds, 3),
+                        admitted_time=utc_time(change.detected_at),
+                        regrouped_time=utc_time(self._regrouped_at),
+                        model_digest=self._agreed_digest)
+            log.info("first step after the grow: %.2f s after it began", seconds)
+            return True
         events.emit("shrink", change.step, old_world_size=change.old_world_size,
                     new_world_size=change.env.world_size,
                     lost_ranks=[lost["rank"] for lost in change.lost],

@@ -7,23 +7,28 @@ run; :func:`load_state` takes a payload's state onto this process's device and k
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 import torch
 from torch import nn
 
-from elastic_mnist.config import TrainConfig
+from elastic_mnist.config import OptimConfig, TrainConfig, flag_name
 from elastic_mnist.data.datasets import Dataset
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.data.order import epoch_number
-from elastic_mnist.errors import CheckpointError
+from elastic_mnist.errors import CheckpointError, ConfigError
 from elastic_mnist.rng import restore_rng_state, rng_state
 
 # Config fields that fix which samples each step sees: a checkpoint written under other values
 # cannot be continued exactly.
 RESUME_INVARIANTS = (("optim", "seed"), ("optim", "global_batch_size"),
                      ("optim", "micro_batch_size"))
+# Config fields that a node joining a running job must share with its ranks: every one that
+# decides the steps, their collectives or the model's state (a joiner with other --epochs would
+# stop at another step than the others, one with another --grad-sync join other collectives).
+LOCKSTEP = (*(("optim", f.name) for f in fields(OptimConfig)), ("data", "dataset"),
+            ("run", "precision"), ("run", "compile"), ("run", "channels_last"))
 
 
 @dataclass
@@ -112,3 +117,13 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig
                               f"{data['fingerprint'][:SHORT]}, this run's data "
                               f"{dataset.fingerprint[:SHORT]} in {dataset.root}); use the same "
                               f"data or another --checkpoint-dir")
+
+
+def check_lockstep(theirs: dict[str, Any], cfg: TrainConfig) -> None:
+    """Raises ConfigError naming the first flag (of LOCKSTEP) where ``cfg`` differs from the
+    config ``theirs`` of the job that this node joins."""
+    for section, name in LOCKSTEP:
+        was, now = theirs[section][name], getattr(getattr(cfg, section), name)
+        if was != now:
+            raise ConfigError(f"the job this node joins runs with {flag_name(name)}={was}, this "
+                              f"node with {now}: start it with the job's flags")

@@ -68,37 +68,49 @@ class StepResult:
     every rank stops."""
     leavers: list[int] = field(default_factory=list)
     """Ranks that asked to stop while the others go on without them, from the next step."""
+    admit: bool = False
+    """Rank 0 decided to admit joining nodes: every rank moves to their generation after this
+    step."""
 
 
 
 class StepFlags:
     """This rank's flags in the step's one collective, in a tensor allocated once and written
     by kernels on its device (``fill_``, a copy from the device), never copied from the host:
-    whether rank 0's last save failed, a vote that the ranks asking to stop leave, and per rank
-    whether it asks to stop and whether its loss or gradients were not finite."""
+    whether rank 0's last save failed, a vote that the ranks asking to stop leave, rank 0's
+    decision to admit joining nodes, and per rank whether it asks to stop and whether its loss
+    or gradients were not finite."""
+
+    HEAD = 3
 
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size = rank, world_size
-        self.tensor = torch.zeros(2 + 2 * world_size, dtype=torch.float64, device=device)
+        self.tensor = torch.zeros(self.HEAD + 2 * world_size, dtype=torch.float64,
+                                  device=device)
 
     def write(self, *, checkpoint_failed: bool, leave_vote: bool, stop: bool,
-              nonfinite: torch.Tensor) -> torch.Tensor:
-        flags = self.tensor
+              nonfinite: torch.Tensor, admit: bool = False) -> torch.Tensor:
+        flags, head = self.tensor, self.HEAD
         flags.zero_()
         if checkpoint_failed:
             flags[0].fill_(1)
         if leave_vote:
             flags[1].fill_(1)
+        if admit:
+            flags[2].fill_(1)
         if stop:
-            flags[2 + self.rank].fill_(1)
-        flags[2 + self.world_size + self.rank].copy_(nonfinite)
+            flags[head + self.rank].fill_(1)
+        flags[head + self.world_size + self.rank].copy_(nonfinite)
         return flags
 
-    def read(self, summed: list[float]) -> tuple[bool, bool, list[int], list[int]]:
-        """(a save failed, some rank voted to let the stopping ranks leave, the ranks asking to
-        stop, the ranks whose values were not finite) from the summed flags."""
-        stops, nonfinite = summed[2:2 + self.world_size], summed[2 + self.world_size:]
-        return (summed[0] > 0, summed[1] > 0, [r for r, v in enumerate(stops) if v > 0],
+    def read(self, summed: list[float]) -> tuple[bool, bool, bool, list[int], list[int]]:
+        """(a save failed, some rank voted to let the stopping ranks leave, rank 0 admits
+        joining nodes, the ranks asking to stop, the ranks whose values were not finite) from
+        the summed flags."""
+        head, size = self.HEAD, self.world_size
+        stops, nonfinite = summed[head:head + size], summed[head + size:]
+        return (summed[0] > 0, summed[1] > 0, summed[2] > 0,
+                [r for r, v in enumerate(stops) if v > 0],
                 [r for r, v in enumerate(nonfinite) if v > 0])
 
 
@@ -125,7 +137,9 @@ class Trainer:
                  after_change: Callable[[Change], Writers] | None = None):
         """``writers``: this generation's (writers.py), or none yet: the job hands them to
         :meth:`take` once a resume is checked; ``after_change(change)``: the next generation's,
-        after a change of membership in process (duties.py's ``Duties.after``)."""
+        after a change of membership in process (duties.py's ``Duties.after``). A worker of a
+        node that joins a job (``membership.joining``) wraps its model only once it is admitted
+        (:meth:`enter`): until then it has no group."""
         self.cfg, self.env, self.device = cfg, env, device
         self.run_id, self.restart_generation = run_id, restart_generation
         self.dataset = dataset
@@ -145,7 +159,8 @@ class Trainer:
         self.bn_stats = GlobalBatchNormStats(self.model, compiled=cfg.run.compile)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=o.lr,
                                            weight_decay=o.weight_decay, **adamw_kernels(device))
-        self.engine.wrap(env)  # rank 0's parameters everywhere, then DDP and compile
+        if not self.membership.joining:
+            self.engine.wrap(env)  # rank 0's parameters everywhere, then DDP and compile
         self.progress = Progress()
         """Where training stands: one object for the whole run (a resume or an adopted state
         changes its values in place), which the report and the regroup read too."""
@@ -154,8 +169,9 @@ class Trainer:
         self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
                                device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
-        log.info("precision %s; compile: %s", self.engine.float32_math,
-                 self.engine.compilation.describe())
+        if not self.membership.joining:
+            log.info("precision %s; compile: %s", self.engine.float32_math,
+                     self.engine.compilation.describe())
         self.resumed_from: int | None = None
         self.resumed_source: str | None = None
 
@@ -196,7 +212,13 @@ class Trainer:
 
     def fit(self, stop: StopRequest) -> str:
         """Trains until done or asked to stop; returns 'finished', 'preempted' (every rank
-        stops) or 'left' (this rank stops, the others go on)."""
+        stops) or 'left' (this rank stops, the others go on); a joining worker first waits to
+        be admitted, and returns 'unadmitted' when the job ended first, 'stopped' when it was
+        stopped or lost first."""
+        if self.membership.joining:
+            outcome = self.enter(stop)
+            if outcome is not None:
+                return outcome
         self.report.new_window()
         while True:
             try:
@@ -216,6 +238,8 @@ class Trainer:
                 return "left"
             if result.leavers:
                 self.recover(why="left", suspects=tuple(result.leavers))
+            elif result.admit and not self.done():
+                self.grow()
 
     def recover(self, why: str = "died", suspects: tuple[int, ...] = (), detail: str = "") -> None:
         """Goes on with the ranks that are left (regroup.py), in the new world with its writers;
@@ -226,6 +250,31 @@ class Trainer:
         self.env, self.restart_generation = change.env, change.generation
         self.take(self.after_change(change))
         self.owed = change
+
+    def grow(self) -> None:
+        """Admits the joining nodes rank 0 decided on (regroup.py), in the new world with its
+        writers; what the agreed step still owes is done before the next step, as after a
+        shrink (a grow follows a completed step: nothing, unless it became a recovery)."""
+        change = self.regroup.grow(self.writers, self.report.last_eval_step)
+        self.env, self.restart_generation = change.env, change.generation
+        self.take(self.after_change(change))
+        self.owed = change
+
+    def enter(self, stop: StopRequest) -> str | None:
+        """A joining worker: says it is ready, waits until the job admits its node, and takes
+        its place and the job's state (regroup.py); None once it has, else why it did not
+        ('left' when asked to stop, 'unadmitted' when the job ended first, 'stopped' when it
+        stopped beating first)."""
+        self.membership.ready()
+        admission = self.membership.wait_admission(lambda: stop.requested)
+        if isinstance(admission, str):
+            return admission
+        change = self.regroup.enter(self.writers, admission)
+        self.env, self.restart_generation = change.env, change.generation
+        self.take(self.after_change(change))
+        self.report.last_eval_step = change.evaluated_step
+        self.owed = change
+        return None
 
     def catch_up(self, change: Change) -> None:
         """What the agreed step still owes when the fault came after it: its evaluation (unless
@@ -325,13 +374,14 @@ class Trainer:
         # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=w.checkpointer.failed,
                                  leave_vote=self.regroup.leave_vote(), stop=stop_requested,
-                                 nonfinite=nonfinite)
+                                 nonfinite=nonfinite, admit=self.membership.admission_due())
         packed = torch.cat([loss_sum.view(1), correct.view(1), flags,
                             self.bn_stats.local_sums(self.device)])
         head = 2 + flags.numel()
         with self.comm.waiting():
             loss_total, correct_total, *summed = self.comm.all_reduce_(packed)[:head].tolist()
-        checkpoint_failed, leave_voted, stopping, nonfinite_ranks = self.flags.read(summed)
+        checkpoint_failed, leave_voted, admit, stopping, nonfinite_ranks = \
+            self.flags.read(summed)
 
         # Apply, or skip on every rank alike: no update, statistics as they were.
         if nonfinite_ranks:
@@ -348,7 +398,7 @@ class Trainer:
                           samples=len(batch), stop_requested=everyone_stops,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
                           nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed,
-                          leavers=leavers)
+                          leavers=leavers, admit=admit)
 
     def advance(self, samples: int) -> bool:
         """Moves the cursor past a completed step; True if that step ended the epoch."""

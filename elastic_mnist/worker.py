@@ -21,6 +21,7 @@ from elastic_mnist.errors import (
     report_user_error,
 )
 from elastic_mnist.job import check_recovery, run_training
+from elastic_mnist.joiner import join_training
 from elastic_mnist.logs import setup_logging
 from elastic_mnist.resilience.lease import checkpoint_folder_lease
 
@@ -38,9 +39,10 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     try:
         device = resolve_device(cfg.run.device, env)
         check_recovery(cfg.run.recovery, device)  # before the group: every worker says it
+        train = run_training if env.join is None else join_training  # a node joining a job
         with process_group(env, device, cfg.run.pg_timeout) as store, \
                 checkpoint_folder_lease(cfg, env, device) as lease:  # one live job per folder
-            return lease.ended(run_training(cfg, env, device, store, lease))
+            return lease.ended(train(cfg, env, device, store, lease))
     except USER_ERRORS + (CheckpointError, TrainingDiverged, FolderInUse) as e:
         return report_user_error("train", e)
     except PeerStopped as e:

@@ -52,6 +52,9 @@ class Identity:
     nonce: str = ""
     """Drawn at random by the process as it starts: processes of one host name and pid
     (containers, each its node's pid 1, on hosts of one name) are told apart by it."""
+    serial: int | None = None
+    """The agent's serial in our rendezvous (``ELASTIC_MNIST_AGENT``); None under torch's c10d
+    one, which numbers no agents."""
 
     @property
     def node(self) -> tuple[str, int]:
@@ -114,6 +117,11 @@ class Change:
     """``time.monotonic()`` when this rank learned of the fault."""
     detected_at: float
     """``time.time()`` then."""
+    kind: str = "shrink"
+    """``shrink``: ranks were lost; ``grow``: joining nodes were admitted at a step boundary."""
+    joined: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    """``{"rank", "host", "agent"}`` for each rank a grow admitted (its rank in the new world,
+    its agent's serial)."""
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
@@ -174,10 +182,12 @@ def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identi
     node = identities[env.rank].node
     siblings = [r for r in members if identities[r].node == node]
     nodes = list(dict.fromkeys(identities[r].node for r in members))
+    rdzv = env.rendezvous  # a joiner's admission is behind it
     return dataclasses.replace(env, rank=members.index(env.rank), world_size=len(members),
                                local_rank=siblings.index(env.rank),
                                local_world_size=len(siblings), group_rank=nodes.index(node),
-                               group_world_size=len(nodes))
+                               group_world_size=len(nodes),
+                               rendezvous=rdzv and dataclasses.replace(rdzv, join=None))
 
 
 def whole_nodes(members: list[int], identities: dict[int, Identity], fault: Fault,
@@ -190,3 +200,20 @@ def whole_nodes(members: list[int], identities: dict[int, Identity], fault: Faul
     dead = {identities[r].node for r in range(world_size)
             if r not in members and r not in named and identities[r] != UNKNOWN}
     return [r for r in members if identities[r].node not in dead]
+
+
+def grown(env: DistEnv, me: Identity, members: list[Identity], old_world_size: int,
+          generation: int, step: int, evaluated_step: int, detected: float,
+          detected_at: float) -> Change:
+    """The change of a grow, as the process ``me`` (of ``env``) takes it: ``members`` in their
+    new order (the old ranks first, in theirs; then the joiners, node by node), the first
+    ``old_world_size`` of them the job's ranks, whose rank 0 holds the state the joiners take."""
+    rank = [identity.key for identity in members].index(me.key)
+    new_env = successor_env(dataclasses.replace(env, rank=rank), list(range(len(members))),
+                            dict(enumerate(members)))
+    joined = [{"rank": r, "host": members[r].host, "agent": members[r].serial}
+              for r in range(old_world_size, len(members))]
+    return Change(env=new_env, generation=generation, old_world_size=old_world_size, lost=[],
+                  why="joined", step=step, holder=0, steps_redone=0,
+                  evaluated_step=evaluated_step, detected=detected, detected_at=detected_at,
+                  kind="grow", joined=joined)

@@ -362,7 +362,10 @@ def checkpoint_folder_lease(cfg: TrainConfig, env: DistEnv,
             raise CheckpointWriteError(outcome[1])
         raise PeerStopped("another node cannot write the checkpoint folder",
                           exit_code=EXIT_CANNOT_SAVE)
-    hold = LeaseHold(folder, next(i for _, i in gathered if i is not None), keeper)
+    named = next((i for _, i in gathered if i is not None), None)
+    if named is None:  # a joining node's other workers: no group to learn it from yet
+        named = JobIdentity.of(env, cfg.run.pg_timeout)
+    hold = LeaseHold(folder, named, keeper)
     if keeper is None:
         yield hold
         return

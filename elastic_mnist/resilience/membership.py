@@ -18,6 +18,10 @@ go on by themselves, without a process start, a new CUDA context or a checkpoint
 2. **Agree on who is left**, and 3. **a new group** (a new *generation*), within ``bound_s`` of
    the fault, else torchrun restarts the job: recovery.py. The worst case is the restart.
 
+A node that joins enters the same way, at a step boundary: rank 0 decides to admit it
+(admissions.py), the step's flags say so, and every rank moves with the joiners to the next
+generation (:meth:`Membership.grow`; a joiner's side is :meth:`Membership.enter`).
+
 A recovery opens no connection to the coordination store (connections.py). A store that stalls
 lapses the agents' keep-alives: the workers renew them, and watch the rendezvous round for an
 agent dropped all the same (torchrun_agents.py). The job's current generation is named for the
@@ -53,6 +57,7 @@ import torch.distributed as dist
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import CannotRecover, PeerFailure, first_line
+from elastic_mnist.resilience.admissions import Admissions
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
     UNKNOWN,
@@ -65,6 +70,7 @@ from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.fence import Over
 from elastic_mnist.resilience.recovery import Recovery
+from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.survivors_group import abort_default_group
 from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
 
@@ -82,6 +88,8 @@ class NullMembership:
     are waited on as they are, and a failure ends the worker as it always did."""
 
     in_process = False
+    joining = False
+    """A worker of a node joining a job that trains on, until the job admits it."""
     faulted: Fault | None = None
     broken: str | None = None
     """Why this generation's collectives fail (None while it is whole): a fault was declared, or
@@ -99,6 +107,13 @@ class NullMembership:
 
     def recovered(self) -> None:
         """The first step after a change completed."""
+
+    def admission_due(self) -> bool:
+        """Rank 0: joining nodes are ready, and this generation decided to admit them."""
+        return False
+
+    def grow(self, position: Position) -> Change:
+        raise CannotRecover("recovery in process is off: no node joins in process")
 
     def run(self, phase: str, work: Callable[[], Any]) -> Any:
         """``work()``: the collectives of a recovery's ``phase``."""
@@ -120,6 +135,9 @@ class NullMembership:
     def release_agents(self) -> None:
         """At the job's end: nothing to release."""
 
+    def finish(self) -> None:
+        """At the job's end, before the agents are released: nothing to say."""
+
     def close(self) -> None:
         pass
 
@@ -134,12 +152,17 @@ class Membership(NullMembership):
 
     def __init__(self, env: DistEnv, device: torch.device, store: dist.Store, generation: int,
                  pg_timeout_s: float, bound_s: float, folder: Path | None = None,
-                 launch: str = "", agents: NoAgents | None = None):
+                 launch: str = "", agents: NoAgents | None = None,
+                 records: Roster | None = None, run_id: str = "", joining: bool = False):
         """``store``: the coordination store, under this launch's own prefix; ``bound_s``: how
         long after a fault the survivors may take to complete a step before they give up;
         ``folder``: the checkpoint folder, where the job's current generation is mirrored
         (``GENERATION_FILE``) for the launch ``launch``; ``agents``: the launcher's agents, the
-        membership's one face to them (torchrun's of ``env``'s rendezvous by default)."""
+        membership's one face to them (torchrun's of ``env``'s rendezvous by default);
+        ``records``: the rendezvous records, where the job is published for nodes that join
+        it, on a connection of their own (None: no node joins in process); ``run_id``: the
+        training run's; ``joining``: this worker's node joins the job, at ``generation`` now,
+        and is a member only once the job admits it (:meth:`enter`)."""
         self.env, self.device = env, device
         self.folder, self.launch = (None if folder is None else Path(folder)), launch
         self.store = store
@@ -149,12 +172,17 @@ class Membership(NullMembership):
         self.launch_agents = env.group_world_size
         """Agents of the rendezvous round this launch started in (all meet at the exit barrier)."""
         self.identity = Identity(platform.node(), os.getpid(), os.getppid(), env.local_rank,
-                                 nonce=secrets.token_hex(8))
+                                 nonce=secrets.token_hex(8),
+                                 serial=int(env.rendezvous.agent)
+                                 if env.rendezvous and env.rendezvous.agent else None)
+        self.joining = joining
         self.agents: set[tuple[str, int]] | None = None
         """The agents of the current generation's members; None until a change: the launch's."""
         self.gone_agents = 0
         """Agents of the launch's round that changes removed (no rank of theirs is left): they
         never come to torchrun's exit barrier."""
+        self.joined_agents: set[tuple[str, int]] = set()
+        """Agents of nodes that joined in process: no agents of the launch's round."""
         self.faulted = None
         self.broken = None
         self._lock = threading.RLock()
@@ -183,6 +211,14 @@ class Membership(NullMembership):
         self.recovery = Recovery(self)
         """The change under way, if any: agreement, new group, bound (recovery.py)."""
         threading.Thread(target=self._pulse, daemon=True, name="membership-pulse").start()
+        self.admissions: Admissions | None = None
+        """The job in the rendezvous records, and the nodes that join it (admissions.py)."""
+        if records is not None:
+            round_ = env.rendezvous.round if env.rendezvous and env.rendezvous.round is not None \
+                else self.round
+            self.admissions = Admissions(self, records, run_id, round_ or 0)
+        if joining:
+            return
         self._start_generation()
         self.launcher.guard(self.connections.declare, Members(
             agent=self.identity.agent, closed=lambda: self._closed,
@@ -218,7 +254,7 @@ class Membership(NullMembership):
         store.set_timeout(WATCH_TIMEOUT)
         try:
             store.wait([self.key(f"wake/{rank}", generation)])
-            if self._closed:
+            if self._closed or generation != self.generation:  # closed, or a grow moved on
                 return
             fault = Fault(**json.loads(store.get(self.key("fault", generation))))
         except Exception as e:  # noqa: BLE001 - the coordination store went: nothing to agree on
@@ -230,6 +266,8 @@ class Membership(NullMembership):
     def close(self) -> None:
         """Stops watching (the job has ended)."""
         self._closed = True
+        if self.admissions is not None:
+            self.admissions.close()
         with contextlib.suppress(RuntimeError):
             self.store.set(self.key(f"wake/{self.env.rank}"), "closed")
 
@@ -346,6 +384,33 @@ class Membership(NullMembership):
     def recovered(self) -> None:
         self.recovery.recovered()
 
+    # --- nodes that join (admissions.py, recovery.py) ---------------------------------------------
+
+    def admission_due(self) -> bool:
+        return self.admissions is not None and self.admissions.due()
+
+    def grow(self, position: Position) -> Change:
+        """At the end of the step whose flag said so: the job admits the joining nodes that rank
+        0 decided on, and every rank moves to their new generation (see :meth:`Recovery.grow`)."""
+        decision = json.loads(self.store.get(self.key("grow")))
+        return self.recovery.grow(decision, position, self.admissions.admit)
+
+    def ready(self) -> None:
+        """A joining worker is built: the job may admit its node once all its workers are."""
+        self.admissions.ready(self.env.join)
+
+    def wait_admission(self, stopping: Callable[[], bool]) -> dict[str, Any] | str:
+        """A joining worker: its node's admission, or why none comes (:meth:`Admissions.wait`)."""
+        return self.admissions.wait(self.env.join, stopping)
+
+    def enter(self, admission: dict[str, Any]) -> Change:
+        """A joining worker, admitted: it moves into the job's new generation with the job's
+        ranks (see :meth:`Recovery.enter`)."""
+        if admission["launch"] != self.launch:
+            raise CannotRecover("the job was restarted as a whole since this node asked to join")
+        decision = json.loads(self.store.get(self.key("grow", admission["decided_in"])))
+        return self.recovery.enter(decision, admission)
+
     def fall_back(self, reason: str) -> None:
         self.recovery.fall_back(reason)
 
@@ -354,6 +419,7 @@ class Membership(NullMembership):
         processes ``kept``: named the job's current one, and watched."""
         # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
         # acts in it or not at all.
+        woken = None if self.joining else self.key(f"wake/{self.env.rank}")
         with self._group_lock:
             if dist.is_initialized():
                 # gloo's threads may still wait in the old group (for a frozen peer, until its
@@ -362,9 +428,17 @@ class Membership(NullMembership):
             with self._declaring, self._lock:
                 self.env, self.generation = change.env, change.generation
                 self.faulted = self.broken = None
-        agents = {(i.host, i.agent) for i in kept}
-        self.gone_agents += (self.launch_agents if self.agents is None else len(self.agents)) \
-            - len(agents)
+                self.joining = False
+        if woken is not None:  # the last generation's watcher, which no fault woke after a grow
+            self.connections.declare.set(woken, "over")
+        agents = {i.node for i in kept}
+        if change.kind == "grow":
+            self.joined_agents |= {i.node for i in kept[change.old_world_size:]} - \
+                (self.agents or set())
+        else:
+            before = self.launch_agents if self.agents is None else \
+                len(self.agents - self.joined_agents)
+            self.gone_agents += before - len(agents - self.joined_agents)
         self.agents = agents
         self._publish_current(kept)
         self._start_generation()
@@ -380,6 +454,8 @@ class Membership(NullMembership):
     def dropped(self) -> Over | None:
         """Why this process is no longer one of the job's ranks, or None while it is: see
         :meth:`CurrentGeneration.dropped`."""
+        if self.joining:  # no rank of any generation yet: nothing to be dropped from
+            return None
         return self.current.dropped(self.generation, self.env.rank, self.identity.key)
 
     def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
@@ -393,6 +469,11 @@ class Membership(NullMembership):
         return generation, {(i.agent_addr, i.agent) for i in found}
 
     # --- the job's end ----------------------------------------------------------------------------
+
+    def finish(self) -> None:
+        """At the job's end: rank 0 says so in the rendezvous records (no node joins it now)."""
+        if self.admissions is not None:
+            self.admissions.finish()
 
     def release_agents(self) -> None:
         """Rank 0, at the end: the launcher's agents that a change removed, or whose workers

@@ -53,6 +53,7 @@ from elastic_mnist.resilience.agreement import (
     Position,
     Pulses,
     close_membership,
+    grown,
     pulse_key,
     successor_env,
     whole_nodes,
@@ -145,6 +146,54 @@ class Recovery:
             raise self._left_behind() or CannotRecover(
                 f"the coordination store does not answer: {first_line(e)}") from None
         return change
+
+    def grow(self, decision: dict[str, Any], position: Position,
+             admit: Callable[[dict[str, Any], Change], None]) -> Change:
+        """At a step boundary, once the step that raised rank 0's flag is done: the job's ranks
+        admit the joining nodes of rank 0's ``decision`` (its ``members``: the old ranks in their
+        order, then the joiners, node by node). ``admit`` (rank 0's) tells the joiners; the new
+        group is then built as after a fault, within the same bound, a member lost meanwhile
+        declared in the new generation (PeerFailure: the survivors recover from it)."""
+        m = self.member
+        detected, detected_at = time.monotonic(), time.time()
+        self._arm_deadline()
+        self.change, self._origin = None, []
+        self.phase = "admitting the joining nodes"
+        members = [Identity(**d) for d in decision["members"]]
+        change = grown(m.env, m.identity, members, m.env.world_size, m.generation + 1,
+                       position.step, position.evaluated_step, detected, detected_at)
+        try:
+            admit(decision, change)
+        except RuntimeError as e:  # the store went: nobody to agree with
+            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
+                from None
+        self._begin(change, members)
+        return change
+
+    def enter(self, decision: dict[str, Any], admission: dict[str, Any]) -> Change:
+        """A joining worker, admitted by ``admission`` into the generation of rank 0's
+        ``decision``: it takes its place there, and builds the new group with the job's ranks
+        (see :meth:`grow`)."""
+        m = self.member
+        detected, detected_at = time.monotonic(), time.time()
+        self._arm_deadline()
+        self.phase = "entering the job"
+        members = [Identity(**d) for d in decision["members"]]
+        old_world_size = len(members) - sum(len(join["ranks"]) for join in decision["joins"])
+        change = grown(m.env, m.identity, members, old_world_size, admission["generation"],
+                       admission["step"], admission["evaluated_step"], detected, detected_at)
+        self._begin(change, members)
+        return change
+
+    def _begin(self, change: Change, members: list[Identity]) -> None:
+        """The generation of a grow, begun with ``members`` in their new order."""
+        try:
+            self.next_generation(change, dict(enumerate(members)), list(range(len(members))))
+        except PeerFailure:
+            raise
+        except RuntimeError as e:  # the store went as the generation began: said in one line
+            raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
+                from None
 
     def _left_behind(self, closed_without_me: bool = False) -> Dropped | None:
         """Dropped when the job went on without this rank: the survivors closed the membership
