@@ -1,7 +1,7 @@
 """``<run dir>/events.jsonl``: the run's story, one JSON object per line, for tools and tests.
 
-Rank 0 appends ``start``, ``resize``, ``shrink``, ``checkpoint``, ``eval``, ``nonfinite``,
-``hang``, ``preempted``, ``left`` and ``finish`` records, each with a UTC timestamp and the step,
+Rank 0 appends ``start``, ``resize``, ``shrink``, ``grow``, ``checkpoint``, ``eval``,
+``nonfinite``, ``hang``, ``preempted``, ``left`` and ``finish`` records, each with a UTC timestamp and the step,
 and flushes every line: a kill loses nothing already said. Other ranks get a log that writes
 nothing.
 """
