@@ -4,8 +4,8 @@ A step cut short is undone (:meth:`Regroup.rollback`); the survivors agree on a 
 membership and take the state of the first one that completed it, checking by digest that every
 survivor holds the same model (:meth:`Regroup.adopt`); the first step after the change reports it
 (:meth:`Regroup.maybe_report_change`). Nodes that join are admitted at a step boundary and take
-rank 0's state the same way (:meth:`Regroup.grow`, :meth:`Regroup.enter`). The leave policy says when ranks that asked to stop leave
-while the others go on (:class:`LeavePolicy`). The loop sees :meth:`Regroup.recover`, the step's
+rank 0's state the same way (:meth:`Regroup.grow`, :meth:`Regroup.enter`). The leave policy says
+when ranks that asked to stop leave while the others go on (:class:`LeavePolicy`). The loop sees :meth:`Regroup.recover`, the step's
 marks and the leave vote; what the agreed step still owes is the loop's (trainer.py).
 """
 
