@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # What every node of a multi-node job runs: one torchrun agent, which starts this node's workers
-# and meets the other nodes' agents at the c10d rendezvous. Arguments go to `elastic-mnist train`.
+# and meets the other nodes' agents at the rendezvous (this package's, `--rdzv_backend=elastic-mnist`,
+# on a c10d store). Arguments go to `elastic-mnist train`.
 #
 #   NNODES=1:4 RDZV_ENDPOINT=head:29400 RUN_ID=job42 jobs/node.sh \
 #       --data-dir /shared/data --checkpoint-dir /shared/ckpt --logdir /shared/runs
@@ -24,7 +25,8 @@
 #                   outlives every node, the first one included (agent)
 #   RDZV_BACKEND    elastic-mnist, this package's rendezvous (a node that joins, or whose worker
 #                   died, enters the running job in process: nobody healthy restarts); or c10d,
-#                   torch's own (every change but a lost node restarts every worker) (c10d)
+#                   torch's own (every change but a lost node restarts every worker)
+#                   (elastic-mnist)
 #   RDZV_IS_HOST    true or false: whether this agent serves the store; auto: it does when the
 #                   endpoint's host is this machine. Set it where several agents share one host:
 #                   only one of them may serve (auto)
@@ -82,7 +84,7 @@ case "${RDZV_STORE:-agent}" in
     ;;
   *) die "RDZV_STORE must be agent or external, not '$RDZV_STORE'" ;;
 esac
-rdzv_backend=${RDZV_BACKEND:-c10d}
+rdzv_backend=${RDZV_BACKEND:-elastic-mnist}
 case "$rdzv_backend" in
   c10d | elastic-mnist) ;;
   *) die "RDZV_BACKEND must be elastic-mnist or c10d, not '$rdzv_backend'" ;;
@@ -104,10 +106,10 @@ if [[ -z "${OMP_NUM_THREADS:-}" ]] && (( gpus == 0 )); then
   export OMP_NUM_THREADS=$(( cores / NPROC_PER_NODE > 0 ? cores / NPROC_PER_NODE : 1 ))
 fi
 
-# With TCPStore sharing on (torch 2.14's default), a node joining a running job hangs both agents
-# for 60 s and then fails them (the old rank 0 never writes MASTER_ADDR for the new round).
+# Under c10d with TCPStore sharing on (torch 2.14's default), a node joining a running job hangs
+# both agents for 60 s and then fails them (the old rank 0 never writes MASTER_ADDR for the new round).
 # Restarts after failures work either way: the workers build each attempt's process group on a
-# store of their own (elastic_mnist/attempt_store.py).
+# store of their own (elastic_mnist/attempt_store.py). Our rendezvous does not read it.
 export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 
 # Rendezvous timing: the values measured to make recovery fast. With torch's defaults a survivor

@@ -13,12 +13,14 @@ steps it injects faults:
 
     kill-node     SIGKILL of a node's whole process tree (agent and workers): the others go on
                   in process
-    kill-worker   SIGKILL of one worker; its agent restarts its node, and torchrun everyone
+    kill-worker   SIGKILL of one worker; its agent restarts its node, which the others take
+                  back in process (under c10d: torchrun restarts everyone)
     preempt-node  SIGTERM to a node's agent: the node leaves and the others go on in process;
                   it comes back (is requeued) a few seconds later, a join
     leave         SIGTERM to a node's agent, not requeued: the node leaves for good (until a
                   later join); the others go on in process
-    join          a new node joins the running job: every worker restarts
+    join          a new node joins the running job, in process (under c10d: every worker
+                  restarts)
     hang-worker   SIGSTOP of one worker: it neither steps nor exits; the workers' watchdog names
                   it, and the others go on without it in process where it is alone on its node
                   (elsewhere a sibling kills it, and its agent restarts the node)
@@ -64,8 +66,12 @@ from elastic_mnist.resilience.faults import FAULT_VAR
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")
 IN_PROCESS_KINDS = ("kill-node", "preempt-node", "leave", "hang-worker")
-"""Faults the survivors go on from in process (hang-worker only where the worker is alone on its
-node: with siblings, one of them kills it, and its agent restarts the node)."""
+"""Faults the survivors go on from in process under either rendezvous (hang-worker, under c10d,
+only where the worker is alone on its node: with siblings, one of them kills it, and its agent
+restarts the node, which makes torchrun restart everyone)."""
+OURS_IN_PROCESS_KINDS = (*IN_PROCESS_KINDS, "kill-worker", "join")
+"""Under our rendezvous (``--rdzv_backend=elastic-mnist``) a node whose worker died, and a node
+that joins, enter the running job in process too: nobody healthy restarts."""
 REQUEUE_DELAY_S = 3.0
 ROUND_GUARD_LINE = "the rendezvous moved on to round"  # what a rank logs when it leaves for it
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
@@ -116,10 +122,12 @@ class Cluster:
     README's plain line) in a session of its own."""
 
     def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
-                 env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh"):
+                 env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh",
+                 rdzv_backend: str = "elastic-mnist"):
         self.workdir, self.train_args, self.max_nodes, self.store = (workdir, train_args,
                                                                      max_nodes, store)
         self.nproc_per_node, self.launch = nproc_per_node, launch
+        self.rdzv_backend = rdzv_backend
         self.port = free_port()
         self.env = env
         self.nodes: dict[int, subprocess.Popen] = {}
@@ -149,6 +157,7 @@ class Cluster:
                    "NPROC_PER_NODE": str(self.nproc_per_node),
                    "RDZV_ENDPOINT": f"127.0.0.1:{self.port}", "RUN_ID": "chaos",
                    "MAX_RESTARTS": "100", "RDZV_STORE": self.store,
+                   "RDZV_BACKEND": self.rdzv_backend,
                    "RDZV_IS_HOST": "true" if is_host else "false"}
         log = open(self.workdir / f"node{node}.log", "w")  # noqa: SIM115 - the child's
         self.nodes[node] = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
@@ -163,7 +172,7 @@ class Cluster:
                 f"keep_alive_max_attempt={timing['KEEP_ALIVE_MAX_ATTEMPT']},"
                 f"is_host={str(is_host).lower()}")
         return [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
-                f"--nproc_per_node={self.nproc_per_node}", "--rdzv_backend=c10d",
+                f"--nproc_per_node={self.nproc_per_node}", f"--rdzv_backend={self.rdzv_backend}",
                 f"--rdzv_endpoint=127.0.0.1:{self.port}", "--rdzv_id=chaos",
                 f"--rdzv_conf={conf}", "--max_restarts=100",
                 f"--monitor_interval={timing['MONITOR_INTERVAL']}",
@@ -331,13 +340,15 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
     while time.time() < deadline:
         now = time.time()
         events = [e for e in observer.events() if event_time(e) > fault.at]
+        in_process = ("grow",) if fault.kind == "join" else ("shrink",)
         answer = next((e for e in events if e["event"] == "start"
-                       or (e["event"] == "shrink" and fault.expected == "in-process")), None)
-        if answer is not None and answer["event"] == "shrink":
+                       or (e["event"] in in_process and fault.expected == "in-process")), None)
+        if answer is not None and answer["event"] in in_process:
             fault.recovery = "in-process"
-            fault.noticed = event_time(answer, "detected_time")
+            fault.noticed = event_time(answer, "admitted_time" if answer["event"] == "grow"
+                                       else "detected_time")
             fault.restarted = event_time(answer, "regrouped_time")
-            fault.steps_redone = answer["steps_redone"]
+            fault.steps_redone = answer.get("steps_redone", 0)
             fault.survivors_kept = all(map(is_running, fault.survivors))
             first = [r["time"] for r in observer.audit()
                      if r["generation"] >= answer["restart_generation"]]
@@ -418,10 +429,11 @@ def one_job_failures(events: list[dict], faults: list[Fault]) -> list[str]:
     if len(finishes) > 1:
         failures.append(f"the job finished {len(finishes)} times: groups trained side by side")
     worlds = [(event_time(e), e["event"], e.get("world_size", e.get("new_world_size")))
-              for e in events if e["event"] in ("start", "shrink")]
+              for e in events if e["event"] in ("start", "shrink", "grow")]
     for f in faults:
         before = [w for t, _, w in worlds if t < f.at]
-        after = [w for t, kind, w in worlds if t > f.at and kind == "start"]  # the restart's
+        after = [w for t, kind, w in worlds  # the restart's, or the grow's
+                 if t > f.at and kind in ("start", "grow")]
         if f.kind == "join" and f.at and before and after and after[0] <= before[-1]:
             failures.append(f"after the join at step {f.step} the job went on at world size "
                             f"{after[0]}, not above its {before[-1]}")
@@ -464,6 +476,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each node's agent: jobs/node.sh, or the README's plain torchrun "
                              "line in this environment (TORCH_DISABLE_SHARE_RDZV_TCP_STORE "
                              "included, if set) (node.sh)")
+    parser.add_argument("--rdzv-backend", choices=("elastic-mnist", "c10d"),
+                        default="elastic-mnist",
+                        help="the agents' rendezvous: ours, which takes joining nodes and a "
+                             "node whose worker died back in process, or torch's (elastic-mnist)")
     parser.add_argument("--global-batch-size", type=int, default=64,
                         help="samples per step; the data has 20 steps per epoch (64)")
     parser.add_argument("--workdir", type=Path, default=None,
@@ -525,7 +541,7 @@ def main(argv: list[str] | None = None) -> int:
     reference_accuracy = (run_reference(workdir, ["train", *train_args], env)
                           if args.reference else None)
     cluster = Cluster(workdir, train_args, args.nodes, args.store, env, args.nproc_per_node,
-                      args.launch)
+                      args.launch, args.rdzv_backend)
     observer = Observer(shared / "runs" / "chaos")
     failures: list[str] = []
     deadline = time.time() + args.timeout
@@ -554,9 +570,12 @@ def main(argv: list[str] | None = None) -> int:
             if observer.finished():
                 failures.append(f"the job finished before the fault at step {fault.step}")
                 break
-            fault.expected = ("in-process" if in_process and fault.kind in IN_PROCESS_KINDS and
-                              (fault.kind != "hang-worker" or args.nproc_per_node == 1)
-                              else "restart")
+            ours = args.rdzv_backend == "elastic-mnist"
+            fault.expected = ("in-process" if in_process and (
+                fault.kind in OURS_IN_PROCESS_KINDS if ours else
+                fault.kind in IN_PROCESS_KINDS and (fault.kind != "hang-worker"
+                                                    or args.nproc_per_node == 1))
+                else "restart")
             if not inject(fault, cluster, rng):
                 print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
                 continue
@@ -634,6 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,
+            "rdzv_backend": args.rdzv_backend,
             "launch": args.launch, "nproc_per_node": args.nproc_per_node,
             "first_step_s": first_step["time"] - started if first_step else None,
             "first_step_world_size": first_step["world_size"] if first_step else None,

@@ -101,9 +101,10 @@ def ranks(infos: list) -> list[tuple[int, int]]:
     return [(info.rank, info.world_size) for info in infos]
 
 
-def test_rounds_close_at_max_at_once_or_after_the_last_call_ranks_in_arrival_order(store, make):
+def test_rounds_close_at_max_at_once_or_after_the_last_call_ranks_by_name(store, make):
     """A round closes as soon as ``--nnodes``' maximum arrived, or ``last_call_timeout`` after the
-    minimum did; group ranks follow arrival order; the agents export the rendezvous to their
+    minimum did; group ranks follow the agents' names and pids, not their arrival (in one process
+    here: their serials); the agents export the rendezvous to their
     workers; the agent on the endpoint's host serves the store, the others connect to it when its
     port is taken (no ``is_host`` given: all of them are on this machine)."""
     port = free_port()
@@ -115,7 +116,7 @@ def test_rounds_close_at_max_at_once_or_after_the_last_call_ranks_in_arrival_ord
         start = time.monotonic()
         infos = rendezvous([b, c, a])
         assert time.monotonic() - start < 1.0  # at the maximum: no last call
-        assert ranks(infos) == [(0, 3), (1, 3), (2, 3)]
+        assert ranks(infos) == [(1, 3), (2, 3), (0, 3)]
         assert all(isinstance(info.store, agents.ExitStore) for info in infos)
         assert (infos[0].bootstrap_store_info.master_addr,
                 infos[0].bootstrap_store_info.master_port) == ("127.0.0.1", port)
@@ -285,7 +286,7 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
             time.sleep(0.02)
         assert time.monotonic() - start >= 0.1 * 3  # judged by b's own keep-alive, not at once
         a.next_rendezvous()
-        assert restarted.result(timeout=5).rank == 0 and b.round == 2
+        assert restarted.result(timeout=5).rank == 1 and b.round == 2  # a's serial first
 
 
 def test_beyond_the_maximum_a_node_waits_and_enters_when_one_leaves_or_leaves_when_closed(
@@ -315,7 +316,7 @@ def test_beyond_the_maximum_a_node_waits_and_enters_when_one_leaves_or_leaves_wh
         a_info = a.next_rendezvous()
         c_info = waiting.result(timeout=5)
     assert (c.round, a.round) == (1, 1)
-    assert ranks([c_info, a_info]) == [(0, 2), (1, 2)]  # c arrived in round 1 first
+    assert ranks([c_info, a_info]) == [(1, 2), (0, 2)]  # by name: here a's serial, not arrival
 
     d = agents_()
     with ThreadPoolExecutor(1) as pool:

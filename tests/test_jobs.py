@@ -117,7 +117,7 @@ def test_node_sh_multi_node_command():
     options, train = planned("--epochs", "2", "--checkpoint-dir", "/shared/a dir",
                              NNODES="2:4", RDZV_ENDPOINT="head:29400", RUN_ID="job7",
                              NPROC_PER_NODE="3", MAX_RESTARTS="5")
-    assert options == {"nnodes": "2:4", "nproc_per_node": "3", "rdzv_backend": "c10d",
+    assert options == {"nnodes": "2:4", "nproc_per_node": "3", "rdzv_backend": "elastic-mnist",
                        "rdzv_endpoint": "head:29400", "rdzv_id": "job7",
                        "rdzv_conf": options["rdzv_conf"], "max_restarts": "5",
                        "monitor_interval": "0.5"}
@@ -490,7 +490,7 @@ def test_pytorchjob_is_elastic_with_a_shared_volume():
     assert job["apiVersion"] == "kubeflow.org/v1"
     policy = job["spec"]["elasticPolicy"]
     assert {k: policy[k] for k in ("minReplicas", "maxReplicas", "rdzvBackend", "maxRestarts")} \
-        == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "c10d", "maxRestarts": 3}
+        == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "elastic-mnist", "maxRestarts": 3}
     assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == MEASURED_CONF
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]

@@ -159,8 +159,8 @@ def test_a_node_leaving_and_rank_0_lost_under_jobs_node_sh(tmp_path):
     """jobs/node.sh, the store served by `elastic-mnist rendezvous`, 3 nodes of one worker. Node
     2's agent is SIGTERMed: its worker leaves after a second's grace, the others go on. Node 0,
     rank 0's, is SIGKILLed: the last one takes rank 0's duties in its own process (TensorBoard
-    in the same run folder, events.jsonl, the checkpoints). A new node then grows the job back:
-    every worker restarts."""
+    in the same run folder, events.jsonl, the checkpoints). A new node then grows the job back, in
+    process under our rendezvous (node.sh's): the survivor keeps its process."""
     work = tmp_path / "chaos"
     status = chaos.main(["--nodes", "3", "--start-nodes", "3", "--store", "external",
                          "--steps", "400", "--schedule", "6:leave:2,12:kill-node:0,18:join",
@@ -168,15 +168,18 @@ def test_a_node_leaving_and_rank_0_lost_under_jobs_node_sh(tmp_path):
                          str(work / "faults.json")])
     assert status == 0
     leave, kill, join = json.loads((work / "faults.json").read_text())["faults"]
-    assert [f["recovery"] for f in (leave, kill, join)] == ["in-process", "in-process", "restart"]
-    assert leave["survivors_kept"] and kill["survivors_kept"]
+    assert [f["recovery"] for f in (leave, kill, join)] == ["in-process"] * 3
+    assert leave["survivors_kept"] and kill["survivors_kept"] and join["survivors_kept"]
     left, died = records(work, "shrink")
     assert (left["why"], left["lost_ranks"], left["old_world_size"], left["new_world_size"]) == \
         ("left", [2], 3, 2)
     assert left["steps_redone"] == 0  # the node left at a step boundary
     assert (died["why"], died["lost_ranks"], died["new_world_size"]) == ("died", [0], 1)
     starts = records(work, "start")
-    assert [(s["world_size"], s["restart_generation"]) for s in starts] == [(3, 0), (2, 3)]
+    assert [(s["world_size"], s["restart_generation"]) for s in starts] == [(3, 0)]
+    (grow,) = records(work, "grow")
+    assert (grow["old_world_size"], grow["new_world_size"], grow["joined_ranks"],
+            grow["restart_generation"]) == (1, 2, [1], 3)
 
     # Rank 0's duties moved: the records after the kill come from the last survivor, the
     # dashboards go on in the one run folder, every step once, the world size as it was.

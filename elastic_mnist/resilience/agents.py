@@ -8,7 +8,7 @@ membership reads too, so agents and workers share one membership:
 - each agent takes a serial and keeps a keep-alive counter moving from a thread of its own for
   as long as its process lives (a store that stalls holds it up, never stops it);
 - rounds form as torch's c10d rendezvous forms them (``--nnodes=MIN:MAX``, ``last_call_timeout``,
-  ``join_timeout``), ranks in arrival order; an agent that restarts its workers moves the
+  ``join_timeout``), ranks in the order of the agents' names and pids, as c10d's; an agent that restarts its workers moves the
   rendezvous to the next round, and :meth:`~AgentsHandler.num_nodes_waiting` counts the agents
   waiting there, so the others restart as torch's do;
 - while the job runs in process (rank 0 publishes ``P job`` and beats), an agent that arrives,
@@ -403,7 +403,7 @@ class AgentsHandler(RendezvousHandler):
             since_min = (since_min or now) if len(valid) >= s.min_nodes else None
             if since_min is not None and (len(valid) >= s.max_nodes
                                           or now - since_min >= s.last_call_timeout_s):
-                self.roster.close_round(round_, valid[:s.max_nodes])
+                self.roster.close_round(round_, self._ranked(valid[:s.max_nodes]))
                 continue
             if now >= deadline:
                 raise RendezvousTimeoutError(
@@ -411,6 +411,12 @@ class AgentsHandler(RendezvousHandler):
                     f"{s.min_nodes} nodes within join_timeout={s.join_timeout_s:g}s "
                     f"({len(valid)} in round {round_})")
             time.sleep(POLL_S)
+
+    def _ranked(self, serials: list[int]) -> list[int]:
+        """``serials`` in group rank order: by the agents' names and pids, as torch's c10d
+        rendezvous orders its participants, so that a node's rank follows its name, not the
+        moment it arrived (the first arrivals are the members; their order is this)."""
+        return sorted(serials, key=lambda n: (self._record(n).addr, self._record(n).pid, n))
 
     def _reenter(self) -> Answer | None:
         """This agent comes back (its workers failed, or agents wait in the next round): into the
