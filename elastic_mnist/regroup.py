@@ -27,7 +27,7 @@ from elastic_mnist.engine import Engine
 from elastic_mnist.errors import CannotRecover, PeerFailure, first_line
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.model import state_digest
-from elastic_mnist.resilience.agreement import Change, Position
+from elastic_mnist.resilience.agreement import NO_STATE, Change, Position
 from elastic_mnist.resilience.membership import NullMembership
 from elastic_mnist.state import Progress
 
@@ -85,6 +85,9 @@ class Regroup:
         """A step has begun and not completed: what it changed is undone if it fails."""
         self.change: Change | None = None
         """The last change of membership, until the first step after it completes."""
+        self.holds_state = not membership.joining
+        """Whether this process holds the job's state: a joining worker holds none until it
+        adopted the state of the generation that admitted it."""
 
     # --- the step's marks and the leave vote ---------------------------------------------------
 
@@ -105,8 +108,8 @@ class Regroup:
     # --- a change of membership ----------------------------------------------------------------
 
     def position(self, evaluated_step: int) -> Position:
-        return Position(step=self.progress.step, mid_step=self.mid_step,
-                        evaluated_step=evaluated_step)
+        return Position(step=self.progress.step if self.holds_state else NO_STATE,
+                        mid_step=self.mid_step, evaluated_step=evaluated_step)
 
     def recover(self, writers: Writers, evaluated_step: int, why: str = "died",
                 suspects: tuple[int, ...] = (), detail: str = "") -> Change:
@@ -217,6 +220,7 @@ class Regroup:
                                 f"after adopting step {change.step}: digest {held[:16]}, agreed "
                                 f"{str(digests[0])[:16]}")
         self.change, self._agreed_digest, self._regrouped_at = change, digests[0], time.time()
+        self.holds_state = True
 
     def maybe_report_change(self, events: NullEventLog) -> bool:
         """Once the new group's first step is done: the ``shrink`` or ``grow`` record (True),

@@ -335,14 +335,9 @@ def beat(direct: Roster, stop: threading.Event) -> None:
         direct.beat()
 
 
-def test_a_node_joins_the_live_job_waits_at_the_maximum_and_leaves_when_it_finished(
-        store, make, caplog):
-    """While rank 0 publishes a live job in process, an agent that arrives joins it at once, with
-    the rank its workers will have once admitted; nobody restarts (``num_nodes_waiting()`` 0).
-    At ``--nnodes``' maximum the next one waits, saying why in one line, and enters when a node
-    leaves; one still waiting when the job finishes leaves with exit 0; an agent that comes after
-    the end fails, as torch's c10d does for a closed rendezvous."""
-    agents_ = make("1:3", last_call_timeout=0.2)
+def live_job(store, agents_: Agents) -> tuple:
+    """Two agents that formed round 0, and the job of their workers, published in process with
+    its beat going (until the returned event is set): ``(a, b, records, job, stop)``."""
     a, b = agents_(), agents_()
     assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
     direct = Roster(store, "job")
@@ -351,6 +346,18 @@ def test_a_node_joins_the_live_job_waits_at_the_maximum_and_leaves_when_it_finis
     direct.publish_job(job)
     stop = threading.Event()
     threading.Thread(target=beat, args=(direct, stop), daemon=True).start()
+    return a, b, direct, job, stop
+
+
+def test_a_node_joins_the_live_job_waits_at_the_maximum_and_leaves_when_it_finished(
+        store, make, caplog):
+    """While rank 0 publishes a live job in process, an agent that arrives joins it at once, with
+    the rank its workers will have once admitted; nobody restarts (``num_nodes_waiting()`` 0).
+    At ``--nnodes``' maximum the next one waits, saying why in one line, and enters when a node
+    leaves; one still waiting when the job finishes leaves with exit 0; an agent that comes after
+    the end fails, as torch's c10d does for a closed rendezvous."""
+    agents_ = make("1:3", last_call_timeout=0.2)
+    a, b, direct, job, stop = live_job(store, agents_)
     try:
         c = agents_()
         start = time.monotonic()
@@ -391,6 +398,33 @@ def test_a_node_joins_the_live_job_waits_at_the_maximum_and_leaves_when_it_finis
             agents_().next_rendezvous()
     finally:
         stop.set()
+
+
+def test_at_the_end_the_exit_barrier_waits_for_a_live_node_that_asked_to_join(store, make):
+    """A node that asked to join (its ticket answered, its workers starting) when the job
+    finishes still needs the store: its workers learn there that the job ended without them,
+    and its agent then meets the others at the exit barrier. So the job's agents, the one
+    serving the store among them, wait at the barrier for that node's agent while it lives,
+    and leave it once it arrived, or shut down, or died."""
+    agents_ = make("1:3", last_call_timeout=0.2, keep_alive_interval=0.1)
+    a, b, direct, job, stop = live_job(store, agents_)
+    try:
+        c = agents_()
+        assert c.next_rendezvous().rank == 2 and c.join == 0
+    finally:
+        stop.set()
+    direct.publish_job(JobRecord(**{**job.__dict__, "finished": True}))  # c never admitted
+
+    with ThreadPoolExecutor(2) as pool:
+        left = [pool.submit(barrier, h.exit_store, world_size=2, key_prefix="t",
+                            barrier_timeout=5) for h in (a, b)]
+        time.sleep(0.8)  # c's workers start, read that the job finished, exit 0
+        assert not any(f.done() for f in left), "the store's users left before c's agent"
+        c_arrived = time.monotonic()
+        barrier(c.exit_store, world_size=3, key_prefix="t", barrier_timeout=5)
+        for f in left:
+            f.result(timeout=5)
+        assert time.monotonic() - c_arrived < 0.5
 
 
 def test_the_exit_barrier_waits_for_live_agents_only_and_returns_at_once(store, make):

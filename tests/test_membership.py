@@ -996,6 +996,25 @@ def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, me
     assert theirs.generation == 0
 
 
+def test_joiners_that_had_not_taken_the_state_do_not_go_on_alone_from_scratch(store, members):
+    """Every rank that held the job's state lost as the joiners entered (before they adopted
+    it): a joiner holds no committed step, so the survivors cannot go on in process; they fall
+    back (torchrun restarts the job from its last checkpoint) instead of training on from
+    step 0 with a model that never learned."""
+    from elastic_mnist.errors import CannotRecover
+    from elastic_mnist.regroup import Regroup
+    from elastic_mnist.state import Progress
+
+    joiner = members(1)  # rank 1 of the grown generation 0; rank 0, the job's, is gone
+    joiner.joining = True  # built as a joining worker, before its admission
+    regroup = Regroup(joiner, None, None, None, torch.device("cpu"), Progress(), dict,
+                      lambda payload: None)
+    joiner.joining = False  # admitted: the grow moved it into the job's generation
+    store.set("launch/g0/members", "[1]")  # the survivors' membership: the joiner alone
+    with no_group_left(), pytest.raises(CannotRecover, match="no survivor holds the job's state"):
+        joiner.recover(regroup.position(evaluated_step=0))
+
+
 LATE_RANK = """import sys
 import torch
 from torch.distributed import PrefixStore, TCPStore

@@ -570,11 +570,15 @@ class AgentsHandler(RendezvousHandler):
         roster.pass_exit(self.serial)
 
     def _exit_expected(self) -> list[int]:
-        """This agent and those of its round's job (``P job``'s nodes, else the round's)."""
+        """This agent and those of its round's job (``P job``'s nodes, else the round's), with
+        the agents that asked to join the job and were not admitted (their workers read in the
+        store that the job ended without them, then their agents come here: the store must
+        outlive them)."""
         round_ = self.round if self.round is not None else self.seen_round
         job = self.roster.job()
         if job is not None and job.round == round_:
-            nodes = job.nodes
+            nodes = job.nodes + [n for _, n in self.roster.pending_joins(round_, job.nodes,
+                                                                        set())]
         else:
             nodes = self.roster.members(round_) or []
         return sorted(set(nodes) | {self.serial})

@@ -71,12 +71,17 @@ UNKNOWN = Identity("unknown", 0, 0, 0)
 """The identity of a rank lost before it said who it was."""
 
 
+NO_STATE = -1
+"""A :class:`Position`'s step for a process that holds none of the job's state yet."""
+
+
 @dataclass(frozen=True)
 class Position:
     """Where a rank stood when the fault struck."""
 
     step: int
-    """Its last committed step."""
+    """Its last committed step; NO_STATE for a process of a node that joined and has not yet
+    taken the job's state (it holds nothing any step committed)."""
     mid_step: bool
     """It had begun the next one: that work is lost."""
     evaluated_step: int

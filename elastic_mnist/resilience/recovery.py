@@ -47,6 +47,7 @@ from elastic_mnist.errors import (
     first_line,
 )
 from elastic_mnist.resilience.agreement import (
+    NO_STATE,
     PULSE_S,
     Change,
     Identity,
@@ -127,6 +128,9 @@ class Recovery:
             raise self._left_behind() or CannotRecover(
                 f"the coordination store does not answer: {first_line(e)}") from None
         step = max(p.step for p in positions)
+        if step == NO_STATE:  # every rank that held the job's state was lost as joiners entered
+            raise CannotRecover("no survivor holds the job's state (the ranks left joined it and "
+                                "had not yet taken it)")
         env = successor_env(m.env, members, identities)
         lost = [{"rank": r, "host": identities[r].host,
                  "why": fault.why if r in fault.suspects else "died"}
