@@ -120,7 +120,8 @@ class Admissions:
         size."""
         return JobRecord(round=self.round, launch=self.member.launch, generation=generation,
                          nodes=nodes(identities), world_size=len(identities), in_process=True,
-                         run_id=self.run_id, finished=finished)
+                         run_id=self.run_id, finished=finished,
+                         quiet_s=2 * POLL_S + self.member.bound_s)
 
     def _maybe_decide(self, generation: int, identities: dict[int, Identity]) -> None:
         """Decides, once per generation, to admit the joins whose workers are all ready."""

@@ -480,6 +480,7 @@ class AgentsHandler(RendezvousHandler):
             if not job.in_process:
                 return "restart"
             others = [n for n in job.nodes if n != self.serial]
+            watch.still_for(job.quiet_s, self.settings.keep_alive_interval_s)
             moving, still = watch.look([self.roster.beat_key()])
             if not set(others) - self.liveness.dead(others) or still:
                 log.warning("the job of round %d is gone (%s): agent %d starts the next round",
@@ -508,6 +509,7 @@ class AgentsHandler(RendezvousHandler):
                 return None
             if job.finished:
                 self._finish(f"the job {s.run_id} has finished")
+            beat.still_for(job.quiet_s, s.keep_alive_interval_s)
             if beat.look([self.roster.beat_key()])[1]:
                 log.warning("the job of round %d is gone (its beat stood still): agent %d starts "
                             "the next round", round_, self.serial)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -98,6 +99,10 @@ class JobRecord:
     """Whether the job admits joining nodes in process (False: the restart path, as torch)."""
     run_id: str
     finished: bool
+    quiet_s: float = 0.0
+    """How long the job's beat may stand still while the job lives (its beat's period, and the
+    bound of a recovery, during which a new rank 0 may not beat yet): an agent judges the job
+    dead only once the beat stood still this long as well (:meth:`Watch.still_for`)."""
 
 
 class Roster:
@@ -294,6 +299,12 @@ class Watch:
                 self.seen[key] = (value, own)
         moving = {key for key in keys if self.seen[key][0] != self.first[key]}
         return moving, {key for key in keys if own - self.seen[key][1] >= self.max_attempt}
+
+    def still_for(self, seconds: float, interval_s: float) -> None:
+        """From now on a counter is still only once it stood still for ``seconds`` at least,
+        counted in the reader's own keep-alives of ``interval_s`` (never fewer than
+        ``max_attempt`` of them)."""
+        self.max_attempt = max(self.max_attempt, math.ceil(seconds / interval_s))
 
 
 class Liveness:
