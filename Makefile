@@ -38,7 +38,8 @@ train: $(STAMP)
 
 # The suite in TEST_WORKERS processes (pytest-xdist): most multi-process tests spend much of
 # their time waiting (for a deadline, a rendezvous, a signal's effect), so two share two cores
-# well; the readers of each shared run go to one of them (tests/conftest.py).
+# well. Each test goes to the process that runs low, the slow first (tests/conftest.py); each
+# shared run is launched once for all of them (tests/shared_runs.py).
 # The project's own modules are compiled first: where PYTHONDONTWRITEBYTECODE is set, each of
 # the suite's few hundred processes would compile them again.
 TEST_WORKERS ?= 2

@@ -13,11 +13,6 @@ pytest_plugins = ["shared_runs"]  # the expensive runs, launched once and shared
 REAL_MNIST = Path(__file__).resolve().parents[2] / "shared" / "mnist-t10k"
 
 
-SHARED_RUNS = {"reference_run", "killed_run", "resized_run"}
-"""shared_runs.py's session fixtures: the tests that read them run in one process, so that each
-run is launched once, however many processes the suite runs in (pytest -n)."""
-
-
 def pytest_configure(config):
     """SIGINT as a terminal's shell leaves it, for the launches that tests Ctrl-C. A shell's
     background job (a CI runner's, ``make test &``) starts with SIGINT ignored, and an ignored
@@ -35,16 +30,14 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked ``cuda`` run where a CUDA GPU is visible and are skipped elsewhere; the
-    readers of a shared run go to one worker of the suite; the slow tests are handed out first,
-    so that the suite's last minute is not one long test on one core while the other idles."""
+    slow tests are handed out first, so that the suite's last minute is not one long test on one
+    core while the other idles."""
     import torch
 
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
 
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if SHARED_RUNS & set(item.fixturenames):
-            item.add_marker(pytest.mark.xdist_group("shared_runs"))
         if item.get_closest_marker("cuda") is not None and not torch.cuda.is_available():
             item.add_marker(skip)
 

@@ -17,9 +17,12 @@ global batch of 64 under real torchrun on CPU:
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import functools
 import io
 import json
 import os
+import pickle
 import random
 import signal
 import subprocess
@@ -86,7 +89,31 @@ def evaluate(checkpoint_dir: Path, *flags: str) -> dict:
                         *flags)
 
 
+def once_per_suite(fixture):
+    """A session fixture's body run once however many processes run the suite (pytest -n): the
+    first process to ask runs it, the others wait for it and take its result, pickled in the
+    session's temporary folder, which the processes share. (xdist_group marks cannot do this:
+    under pytest 9.2, pytest-xdist 3.8's --dist loadgroup no longer groups, pytest-xdist#1386.)"""
+
+    @functools.wraps(fixture)
+    def shared(**fixtures):
+        if "PYTEST_XDIST_WORKER" not in os.environ:
+            return fixture(**fixtures)
+        folder = fixtures["tmp_path_factory"].getbasetemp().parent
+        result = folder / f"{fixture.__name__}.pickle"
+        with open(folder / f"{fixture.__name__}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released as the file closes
+            if result.exists():
+                return pickle.loads(result.read_bytes())
+            made = fixture(**fixtures)
+            result.write_bytes(pickle.dumps(made))
+            return made
+
+    return shared
+
+
 @pytest.fixture(scope="session")
+@once_per_suite
 def reference_run(tiny_digits, tmp_path_factory) -> Path:
     """The uninterrupted run at world size 2, every step's checkpoint kept."""
     work = tmp_path_factory.mktemp("reference")
@@ -98,6 +125,7 @@ def reference_run(tiny_digits, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+@once_per_suite
 def killed_run(tiny_digits, tmp_path_factory) -> Path:
     """A random worker SIGKILLed after the checkpoints of steps 4 and 24; torchrun restarts."""
     work = tmp_path_factory.mktemp("killed")
@@ -157,6 +185,7 @@ class ResizedRun:
 
 
 @pytest.fixture(scope="session")
+@once_per_suite
 def resized_run(tiny_digits, tmp_path_factory) -> ResizedRun:
     """World size 2, SIGTERM after step 8; 1, SIGTERM after step 20; 2 to the end."""
     work = tmp_path_factory.mktemp("resized")
@@ -186,6 +215,7 @@ class Interrupted:
 
 
 @pytest.fixture(scope="session")
+@once_per_suite
 def interrupted_make_train(tiny_digits, tmp_path_factory) -> Interrupted:
     """``make train`` with this Python's environment, 1000 steps asked for, Ctrl-C once its
     checkpoint of step 2 is committed."""
