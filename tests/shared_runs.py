@@ -90,7 +90,7 @@ def evaluate(checkpoint_dir: Path, *flags: str) -> dict:
 
 
 def once_per_suite(fixture):
-    """A session fixture's body run once however many processes run the suite (pytest -n): the
+    """A fixture's body run once however many processes run the suite (pytest -n): the
     first process to ask runs it, the others wait for it and take its result, pickled in the
     session's temporary folder, which the processes share. (xdist_group marks cannot do this:
     under pytest 9.2, pytest-xdist 3.8's --dist loadgroup no longer groups, pytest-xdist#1386.)"""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from launch import REPO, cli_cmd, run, torchrun_cmd
-from shared_runs import STEPS, args_for, evaluate, newest
+from shared_runs import STEPS, args_for, evaluate, newest, once_per_suite
 
 from elastic_mnist.checkpoint import newest_committed_step
 from elastic_mnist.data.datasets import load
@@ -120,6 +120,7 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tiny_digits, tmp_p
 
 
 @pytest.fixture(scope="module")
+@once_per_suite
 def three_steps(tiny_digits, tmp_path_factory) -> Path:
     """A run of 3 steps, for the tests below to copy and tamper with."""
     work = tmp_path_factory.mktemp("three-steps")
