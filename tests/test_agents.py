@@ -4,6 +4,7 @@ one real launch of two torchrun agents with ``--rdzv_backend=elastic-mnist``."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import logging
@@ -591,3 +592,13 @@ def logged_at(text: str, what: str, near: float) -> float:
     clock = datetime.time.fromisoformat(line.split()[1])
     day = datetime.datetime.fromtimestamp(near).date()
     return datetime.datetime.combine(day, clock).timestamp()
+
+
+def test_a_job_record_written_by_a_newer_version_is_read_without_its_new_fields(store):
+    """Nodes of one job may run different versions of the package for a while (a rolling
+    upgrade): a field this version does not know is left out, not a crash of its agent."""
+    roster = Roster(store, "mixed")
+    record = JobRecord(round=0, launch="x", generation=1, nodes=[1], world_size=2,
+                       in_process=True, run_id="mixed", finished=False)
+    store.set(roster.key("job"), json.dumps({**dataclasses.asdict(record), "newer": 1}))
+    assert roster.job() == record

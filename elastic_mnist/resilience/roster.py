@@ -206,7 +206,11 @@ class Roster:
 
     def job(self) -> JobRecord | None:
         found = self._get("job")
-        return None if found is None else JobRecord(**json.loads(found))
+        if found is None:
+            return None
+        # Fields this version does not know (a node of a newer one wrote them) are left out.
+        known = {f.name for f in dataclasses.fields(JobRecord)}
+        return JobRecord(**{k: v for k, v in json.loads(found).items() if k in known})
 
     def publish_job(self, job: JobRecord) -> None:
         self.store.set(self.key("job"), json.dumps(dataclasses.asdict(job)))
