@@ -1015,8 +1015,11 @@ def test_joiners_that_had_not_taken_the_state_do_not_go_on_alone_from_scratch(st
         joiner.recover(regroup.position(evaluated_step=0))
 
 
-LATE_RANK = """import sys
+LATE_RANK = """import os
+import signal
+import sys
 import torch
+from elastic_mnist.errors import PeerFailure
 from torch.distributed import PrefixStore, TCPStore
 from elastic_mnist.env import DistEnv
 from elastic_mnist.resilience.membership import Membership
@@ -1026,7 +1029,9 @@ store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False)
 member = Membership(DistEnv(rank=1, world_size=2, launched=True), torch.device("cpu"),
                     PrefixStore("launch", store), generation=0, pg_timeout_s=60, bound_s=120)
 identities = member.identities()
-store.set("late-rank-creating", "1")
+# It stops itself (SIGSTOP) as it begins to create the group, before it says where it listens.
+member.inject = lambda phase: (phase == "creating the new group"
+                               and os.kill(os.getpid(), signal.SIGSTOP))
 try:
     member.recovery.next_generation(test_membership.a_change(1, 2, 1), identities, [0, 1])
 except PeerFailure:
@@ -1051,9 +1056,10 @@ def test_a_group_creation_given_up_on_that_completes_late_changes_nothing(store)
                       PrefixStore("launch", store.clone()), generation=0, pg_timeout_s=60,
                       bound_s=120)
     try:
-        store.wait(["late-rank-creating"], datetime.timedelta(seconds=60))
-        time.sleep(1)  # it waits for rank 0 in the group's rendezvous
-        late.send_signal(signal.SIGSTOP)
+        deadline = time.monotonic() + 60
+        while psutil.Process(late.pid).status() != psutil.STATUS_STOPPED:
+            assert time.monotonic() < deadline and late.poll() is None
+            time.sleep(0.05)
         identities = mine.identities()
         with no_group_left():
             with pytest.raises(PeerFailure, match="ranks died"):  # its pulse stopped
