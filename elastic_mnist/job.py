@@ -37,7 +37,13 @@ from elastic_mnist.data.datasets import (
 from elastic_mnist.data.fingerprint import SHORT
 from elastic_mnist.distributed import backend_for
 from elastic_mnist.duties import Duties, record_fallback
-from elastic_mnist.env import DistEnv, agent_command_line, torchrun_arguments, why_no_rendezvous
+from elastic_mnist.env import (
+    OUR_BACKEND,
+    DistEnv,
+    agent_command_line,
+    torchrun_arguments,
+    why_no_rendezvous,
+)
 from elastic_mnist.errors import (
     EXIT_CANNOT_SAVE,
     EXIT_INTERRUPTED,
@@ -47,6 +53,7 @@ from elastic_mnist.errors import (
     DataError,
     Dropped,
     PeerStopped,
+    first_line,
 )
 from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import flat_hparams
@@ -55,7 +62,7 @@ from elastic_mnist.resilience.fence import Fence
 from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
-from elastic_mnist.resilience.roster import Roster
+from elastic_mnist.resilience.roster import JobRecord, Roster
 from elastic_mnist.resilience.torchrun_agents import agents_for
 from elastic_mnist.trainer import Trainer
 
@@ -194,11 +201,16 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
               "NCCL recovers by restart until it has run on GPUs"
               if backend_for(device) == "nccl" else None)
     if reason is not None:
-        say_it = wanted == "in-process" or (unread is not None and env.is_local_main)
+        ours = env.rendezvous is not None and env.rendezvous.backend == OUR_BACKEND
+        say_it = wanted == "in-process" or (unread is not None and env.is_local_main) or (
+            ours and env.is_main)
         (log.warning if say_it else log.info)("faults are recovered by a restart: %s", reason)
+        if ours and env.is_main:
+            publish_restart_path(env, run_id, cfg.run.pg_timeout)
         return NullMembership()
     rdzv = env.rendezvous
     launch = distributed.broadcast_object(secrets.token_hex(8), src=0, device=device)
+    agents = agents_for(env)
     try:
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False,
                               timeout=datetime.timedelta(seconds=cfg.run.pg_timeout))
@@ -208,13 +220,35 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
         log.warning("faults are recovered by a restart: the rendezvous store %s does not answer "
                     "on every rank (%s)", rdzv.endpoint, reason or "on another rank")
         return NullMembership()
+    reason = agents.unusable(store)
+    if not distributed.all_agree(reason is None, device):
+        if reason is not None and env.is_local_main:
+            log.warning("faults are recovered by a restart: %s", reason)
+        return NullMembership()
     log.info("a lost, departing or frozen node is recovered in process (coordination on the "
              "rendezvous store %s)", rdzv.endpoint)
     return Membership(env, device, dist.PrefixStore(f"{PREFIX}/{rdzv.run_id}/{launch}", store),
                       generation, cfg.run.pg_timeout, bound_s=2 * cfg.run.hang_timeout,
                       folder=Path(cfg.checkpoint.checkpoint_dir), launch=launch,
-                      agents=agents_for(env), records=Roster(store.clone(), rdzv.run_id),
+                      agents=agents, records=Roster(store.clone(), rdzv.run_id),
                       run_id=run_id)
+
+
+def publish_restart_path(env: DistEnv, run_id: str, timeout_s: float) -> None:
+    """Rank 0 of a job on our rendezvous that recovers by restarts: says so in the records, so
+    that an agent which comes late moves every node to the next round at once, as torch's c10d
+    rendezvous does, instead of waiting ``last_call_timeout`` for a job that admits nobody."""
+    rdzv = env.rendezvous
+    try:
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False,
+                              timeout=datetime.timedelta(seconds=timeout_s))
+        Roster(store, rdzv.run_id).publish_job(JobRecord(
+            round=rdzv.round or 0, launch="", generation=0, nodes=[],
+            world_size=env.world_size, in_process=False, run_id=run_id, finished=False))
+    except RuntimeError as e:  # DistStoreError: a late agent then waits last_call_timeout
+        log.warning("could not publish the job at the rendezvous %s (%s): a node that comes "
+                    "late waits its last call before the job restarts", rdzv.endpoint,
+                    first_line(e))
 
 
 DESCRIPTION = "description"

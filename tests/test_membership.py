@@ -733,6 +733,30 @@ def test_the_exit_barrier_is_released_for_the_agents_that_are_gone(store):
     assert not agent.is_alive()
 
 
+def test_the_glue_falls_back_to_restarts_where_torch_keeps_its_rendezvous_otherwise(store):
+    """The c10d glue reads torch's private rendezvous state: where it reads as in the torch this
+    was written against, the glue is usable; where it does not (another torch's classes), the
+    reason is one line naming both torch versions, and the job recovers by restarts."""
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+    from elastic_mnist.env import Rendezvous
+    from elastic_mnist.resilience.torchrun_agents import CHECKED_TORCH, TorchrunAgents
+
+    glue = TorchrunAgents(Rendezvous("127.0.0.1", store.port, "job7"))
+    state = _RendezvousState()
+    state.round = 2
+    state.participants[_NodeDesc("host-a", 123, 0)] = 0
+    backend = C10dRendezvousBackend(store, "job7")
+    token = backend.set_state(pickle.dumps(state))[1]
+    assert glue.unusable(store) is None
+    backend.set_state(pickle.dumps({"round": 2}), token)  # not the class this torch keeps
+    reason = glue.unusable(store)
+    assert reason is not None and "\n" not in reason
+    assert f"torch {torch.__version__}'s c10d rendezvous state" in reason
+    assert CHECKED_TORCH[-1] in reason and "AttributeError" in reason
+
+
 def test_an_agent_whose_keep_alive_lapsed_in_a_stalled_store_is_renewed_back(tmp_path):
     """Real torch rendezvous handlers (jobs/node.sh's timing: keep-alives every 1 s, dropped
     after 3) on a store in another process, SIGSTOPped for 4 s as a store stalls: afterwards

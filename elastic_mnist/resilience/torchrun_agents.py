@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from elastic_mnist.distributed import end_process
@@ -38,6 +39,10 @@ from elastic_mnist.errors import EXIT_DROPPED, first_line
 
 log = logging.getLogger(__name__)
 
+CHECKED_TORCH = ("2.14.1",)
+"""The torch versions whose private rendezvous records this room was read against and tested
+with (``make test``); under another, :meth:`TorchrunAgents.unusable` finds out at start whether
+they still hold."""
 ROUND_CHECK_S = 2.0
 """How often each rank reads the rendezvous round (:meth:`TorchrunAgents.guard`): well within
 the seconds a node that starts a round alone takes to its first checkpoint. A node's local rank
@@ -71,6 +76,11 @@ class NoAgents:
         """The agent's name in the rendezvous (sets :attr:`round`); empty without one."""
         return ""
 
+    def unusable(self, store: dist.Store) -> str | None:
+        """Why the agents' records cannot be kept from this process, in words (the faults are
+        then recovered by a restart); None where they can."""
+        return None
+
     def guard(self, store: dist.Store, members: Members) -> None:
         """Keeps the agents in the rendezvous from a thread, while ``members`` is open."""
 
@@ -91,6 +101,22 @@ class TorchrunAgents(NoAgents):
 
     def __init__(self, rdzv: Rendezvous):
         self.rdzv = rdzv
+
+    def unusable(self, store: dist.Store) -> str | None:
+        """None where torch keeps the c10d rendezvous as the torch versions this room was read
+        against did (:data:`CHECKED_TORCH`): its state reads, and lists agents by name and pid
+        in rounds. Else what failed, in one line."""
+        try:
+            state, _ = RendezvousReader(store, self.rdzv.run_id).read()
+            int(state.round)
+            for node in state.participants:
+                str(node.addr), int(node.pid)
+            dict(state.last_heartbeats)
+        except Exception as e:  # noqa: BLE001 - any failure means: not the torch we read
+            return (f"torch {torch.__version__}'s c10d rendezvous state is not as this code read "
+                    f"it in torch {', '.join(CHECKED_TORCH)} ({type(e).__name__}: "
+                    f"{first_line(e)})")
+        return None
 
     def join(self, store: dist.Store, agent: int, group_rank: int) -> str:
         """The rendezvous round this process's agent is in, and the agent's name there (torch
