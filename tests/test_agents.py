@@ -18,9 +18,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from importlib import metadata
 
+import psutil
 import pytest
 import torch.distributed as dist
 from launch import REPO, clean_env, free_port, kill_tree
+from test_listening import readme_table, resolved
 from torch.distributed.elastic.rendezvous import (
     RendezvousClosedError,
     RendezvousError,
@@ -260,7 +262,7 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
     next round and arrives there; the others' ``num_nodes_waiting()`` counts it, so they restart
     as torch's agents do, into one round. A job that runs in process but whose beat stood
     still (every worker failed at once) is dead: the restart path again."""
-    agents_ = make("1:2", keep_alive_interval=0.1, last_call_timeout=0.3)
+    agents_ = make("1:3", keep_alive_interval=0.1, last_call_timeout=0.3)
     a, b = agents_(), agents_()
     assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
 
@@ -291,6 +293,21 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
         assert time.monotonic() - start >= 1.0
         a.next_rendezvous()
         assert restarted.result(timeout=5).rank == 1 and b.round == 2  # a's serial first
+
+    # A job that recovers by restarts (NCCL, --recovery restart) says so in the records: an agent
+    # that comes late moves everyone to the next round at once, as under c10d, not after its
+    # last call.
+    direct.publish_job(JobRecord(round=2, launch="", generation=0, nodes=[], world_size=2,
+                                 in_process=False, run_id="job", finished=False))
+    late = agents_(last_call_timeout=30)
+    with ThreadPoolExecutor(1) as pool:
+        start = time.monotonic()
+        arrived = pool.submit(late.next_rendezvous)
+        while a.num_nodes_waiting() != 1:
+            assert time.monotonic() - start < 3
+            time.sleep(0.02)
+        infos = rendezvous([a, b])
+        assert sorted(ranks([*infos, arrived.result(timeout=5)])) == [(0, 3), (1, 3), (2, 3)]
 
 
 def test_beyond_the_maximum_a_node_waits_and_enters_when_one_leaves_or_leaves_when_closed(
@@ -337,6 +354,26 @@ def test_beyond_the_maximum_a_node_waits_and_enters_when_one_leaves_or_leaves_wh
 def beat(direct: Roster, stop: threading.Event) -> None:
     while not stop.wait(0.1):
         direct.beat()
+
+
+def test_a_node_that_comes_as_the_job_starts_waits_for_it_past_its_last_call(store, make):
+    """An agent that comes after the round closed but before its job is published (its workers
+    still import torch) waits for the job past its last call, nobody restarting meanwhile (it
+    then joins it, below); once the round's agents are all gone, it moves the rendezvous on at
+    once and starts the next round."""
+    agents_ = make("1:3", last_call_timeout=0.2)
+    a, b = agents_(), agents_()
+    assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
+    c = agents_()
+    with ThreadPoolExecutor(1) as pool:
+        arriving = pool.submit(c.next_rendezvous)
+        time.sleep(1.0)  # five last calls
+        assert not arriving.done()
+        assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
+        a.shutdown()
+        b.shutdown()
+        info = arriving.result(timeout=3)
+    assert (info.rank, info.world_size, c.round) == (0, 1, 1)
 
 
 def live_job(store, agents_: Agents) -> tuple:
@@ -592,6 +629,22 @@ def logged_at(text: str, what: str, near: float) -> float:
     clock = datetime.time.fromisoformat(line.split()[1])
     day = datetime.datetime.fromtimestamp(near).date()
     return datetime.datetime.combine(day, clock).timestamp()
+
+
+def test_the_agent_serving_the_store_listens_where_operations_md_says():
+    """The agent on the endpoint's host serves the store on the address the host resolves to
+    (``localhost``: this machine alone), the ``our-rendezvous`` row of docs/operations.md."""
+    port = free_port()
+    params = RendezvousParameters("elastic-mnist", f"localhost:{port}", "job", 1, 1,
+                                  is_host="true", keep_alive_interval="0.1")
+    handler = AgentsHandler(Settings.from_params(params), nproc=1)
+    try:
+        found = [c.laddr.ip for c in psutil.Process().net_connections(kind="tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+    finally:
+        handler.shutdown()
+    assert readme_table()["our-rendezvous"]["address"] == "--host"
+    assert found == [resolved("localhost")]
 
 
 def test_a_job_record_written_by_a_newer_version_is_read_without_its_new_fields(store):

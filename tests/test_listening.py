@@ -99,7 +99,8 @@ def check_launch(launch: dict, expected: dict[str, int]) -> None:
 
 def test_the_readme_table_names_every_address_it_uses():
     rows = readme_table()
-    assert {"rendezvous", "agent-store", "external-rendezvous", "group-store", "gloo",
+    assert {"rendezvous", "our-rendezvous", "agent-store", "external-rendezvous", "group-store",
+            "gloo",
             "tensorboard"} <= set(rows)
     assert "None of them authenticates" in PAGE.read_text()
 

@@ -69,6 +69,10 @@ POLL_S = 0.05
 """How often an agent reads the store while a round forms or at the exit barrier."""
 WAIT_S = 0.2
 """How often it reads while it waits for room, a job record, or its judgement of others."""
+START_UP_S = 120.0
+"""How long an agent that came late waits for the job of its round to be published (its workers
+start: they import torch, read the data, form their group) before it moves every node to the next
+round, as torch's c10d rendezvous would at once; not longer than ``join_timeout``."""
 LINGER_S = 1.0
 """How long the agent serving the store waits, as it shuts down, for the agents at the exit
 barrier to leave it (their store goes with it)."""
@@ -433,12 +437,13 @@ class AgentsHandler(RendezvousHandler):
 
     def _late(self, round_: int, members: list[int]) -> Answer | None:
         """``round_`` closed without this agent: into its live job, or, when that job does not run
-        in process (or publishes nothing within ``last_call_timeout``, or died), into the next
-        round, room permitting (None: arrive in the round the rendezvous is in now). Once one of
-        the round's agents is at the exit barrier (its workers succeeded) and the others too or
-        dead, the job is over."""
+        in process (or publishes nothing while its workers start, :data:`START_UP_S`, or died),
+        into the next round, room permitting (None: arrive in the round the rendezvous is in
+        now). Once one of the round's agents is at the exit barrier (its workers succeeded) and
+        the others too or dead, the job is over."""
         s = self.settings
         start, said = time.monotonic(), False
+        start_up = max(s.last_call_timeout_s, min(START_UP_S, s.join_timeout_s))
         self.seen_round = round_
         watch = Watch(self.store, self.roster.key(f"alive/{self.serial}"),
                       s.keep_alive_max_attempt)
@@ -452,9 +457,9 @@ class AgentsHandler(RendezvousHandler):
                 return self._join(round_)
             if self._over(members):
                 self._finish(f"the job of round {round_} has finished")
-            if state == "dead" or state == "restart" or (
-                    state == "none" and time.monotonic() - start >= s.last_call_timeout_s):
-                alive = set(members) - self.liveness.dead(members)
+            alive = set(members) - self.liveness.dead(members)
+            if state == "dead" or state == "restart" or state == "none" and (
+                    not alive or time.monotonic() - start >= start_up):
                 if state == "dead" or len(alive) < s.max_nodes:
                     self.roster.bump_round(round_)
                     return None
