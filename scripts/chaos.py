@@ -45,6 +45,7 @@ The card's shape, 4 nodes of 8 workers on one machine, is ``make chaos32`` (see 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -104,6 +105,12 @@ class Fault:
     recovery: str | None = None
     """How it was: "in-process" (a ``shrink`` record) or "restart" (a ``start`` record)."""
     survivors_kept: bool | None = None
+    gap_s: float | None = None
+    """The others' longest wait between two completed steps, from the fault until the job is
+    back at its size before it (or until its first step after the fault, if it never is)."""
+    full_s: float | None = None
+    """Seconds from the fault to the first step at the job's size before it, or above it (a
+    join): None when the job did not get back there."""
 
     def describe(self) -> str:
         return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
@@ -281,6 +288,7 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     if fault.kind == "join":
         if len(cluster.alive()) >= cluster.max_nodes:
             return False
+        fault.survivors = fault.old_workers  # the job's workers: they go on as they are
         fault.at = time.time()
         fault.node = cluster.start_node()
         return True
@@ -319,6 +327,35 @@ def watch_skip(fault: Fault, observer: Observer, timeout: float) -> None:
                 fault.first_step, fault.steps_redone = min(after), 0
                 return
         time.sleep(0.05)
+
+
+def step_times(records: list[dict]) -> dict[int, tuple[float, int]]:
+    """Each completed step's time (its last rank's record, in its newest generation) and the
+    world size that took it."""
+    newest: dict[int, int] = {}
+    for r in records:
+        newest[r["step"]] = max(newest.get(r["step"], -1), r["generation"])
+    done: dict[int, tuple[float, int]] = {}
+    for r in records:
+        if r["generation"] == newest[r["step"]]:
+            t = max(done.get(r["step"], (0.0, 0))[0], r["time"])
+            done[r["step"]] = (t, r["world_size"])
+    return done
+
+
+def measure_gaps(fault: Fault, records: list[dict]) -> None:
+    """Fills in :attr:`Fault.full_s` and :attr:`Fault.gap_s` from the run's audit records."""
+    steps = sorted(step_times(records).values())
+    before = [w for t, w in steps if t <= fault.at]
+    if not before or fault.first_step is None:
+        return
+    size = before[-1] + (1 if fault.kind == "join" else 0)
+    full = next((t for t, w in steps if t > fault.at and w >= size), None)
+    fault.full_s = None if full is None else full - fault.at
+    until = full if full is not None else fault.first_step
+    inside = [t for t, _ in steps if t > fault.at and t <= until]
+    times = [max(t for t, _ in steps if t <= fault.at), *inside]
+    fault.gap_s = max((b - a for a, b in itertools.pairwise(times)), default=None)
 
 
 def is_running(pid: int) -> bool:
@@ -445,13 +482,16 @@ def table(faults: list[Fault]) -> str:
         return "—" if t is None else f"{t - since:.1f}"
 
     header = ("| fault | at step | recovered | noticed (s) | new group (s) | "
-              "first step after (s) | steps redone |")
-    rows = [header, "| --- | ---: | --- | ---: | ---: | ---: | ---: |"]
+              "first step after (s) | steps redone | others' longest gap (s) | "
+              "back at full size (s) |")
+    rows = [header, "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for f in faults:
         rows.append(f"| {f.describe()} | {f.step} | {f.recovery or '—'} | "
                     f"{seconds(f.noticed, f.at)} | {seconds(f.restarted, f.at)} | "
                     f"{'none left' if f.job_done_first else seconds(f.first_step, f.at)} | "
-                    f"{'—' if f.steps_redone is None else f.steps_redone} |")
+                    f"{'—' if f.steps_redone is None else f.steps_redone} | "
+                    f"{'—' if f.gap_s is None else f'{f.gap_s:.1f}'} | "
+                    f"{'—' if f.full_s is None else f'{f.full_s:.1f}'} |")
     return "\n".join(rows)
 
 
@@ -628,6 +668,10 @@ def main(argv: list[str] | None = None) -> int:
     if unseen:
         failures.append(f"no hang recorded in events.jsonl after the SIGSTOPs at steps {unseen}")
     failures += one_job_failures(observer.events(), faults)
+    records = observer.audit()
+    for f in faults:
+        if f.at:
+            measure_gaps(f, records)
     restarted = [f.describe() for f in faults if f.at and f.expected == "in-process"
                  and (f.recovery != "in-process" or not f.survivors_kept)]
     if restarted:
@@ -665,6 +709,7 @@ def main(argv: list[str] | None = None) -> int:
                         **{name: None if t is None else t - f.at
                            for name, t in (("noticed_s", f.noticed), ("restarted_s", f.restarted),
                                            ("first_step_s", f.first_step))},
+                        "gap_s": f.gap_s, "full_s": f.full_s,
                         "steps_redone": f.steps_redone, "job_done_first": f.job_done_first}
                        for f in faults if f.at]}, indent=2))
     for failure in failures:

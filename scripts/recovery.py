@@ -1,19 +1,22 @@
 #!/usr/bin/env python3
-"""Recovery from a lost, departing or frozen node: in process against a restart, side by side.
+"""Recovery from a lost, departing, frozen or joining node: in process against a restart, side by
+side.
 
     scripts/recovery.py [--repeats 3] [--only NAME,...] [--update-readme]
     scripts/recovery.py --soak NAME [--repeats 10]
 
-Each scenario is a chaos run (scripts/chaos.py) on loopback with one fault at step 40 of 160; the
-job runs with ``--recovery in-process`` and with ``--recovery restart`` in turn, alternating, each
-REPEATS times. Measured from the fault to the first optimizer step the survivors complete after
-it (from the run's audit records), with the steps redone, and, in process, the seconds from the
-job's last step to the exit of the last surviving node's torchrun; medians with min and max. Writes
-bench/recovery.json and, with --update-readme, the table between the README's
+Each scenario is a chaos run (scripts/chaos.py) on loopback with a fault at step 40 of 160 (the
+last of a scenario's faults is the one measured); the job runs with ``--recovery in-process``
+and with ``--recovery restart`` in turn, alternating, each REPEATS times. Measured: the seconds
+from the fault (for a join, the new node's launch) to the first optimizer step the job completes
+after it (at its new size), the others' longest wait between two steps until the job is back at
+its size, and when it is (audit records), the steps redone, and, in process, the seconds from
+the job's last step to the exit of the last surviving node's torchrun; medians with min and max.
+Writes bench/recovery.json and, with --update-readme, the table between the README's
 ``<!-- recovery:begin -->`` and ``<!-- recovery:end -->`` markers. ``--only`` measures some
 scenarios again and keeps the others' runs from bench/recovery.json (when they were measured as
-many times, on a machine of the same kind and cores). ``kill-32`` alone takes about 20 minutes
-on 2 cores, the others 3 to 5 minutes each.
+many times, on a machine of the same kind and cores). ``kill-32`` and ``join-32`` take about 20
+minutes each on 2 cores, the others 3 to 5 minutes each.
 
 ``--soak NAME`` runs one scenario in process only, REPEATS times (``make recovery-soak``: the
 card's shape, ``kill-32``), and says for each run whether the survivors went on in process or
@@ -45,22 +48,39 @@ SCENARIOS = {
     "kill-torchrun": ("2 nodes × 2 workers, a node SIGKILLed, plain torchrun",
                       ["--launch", "torchrun", "--store", "agent", "--nodes", "2",
                        "--start-nodes", "2", "--nproc-per-node", "2",
-                       "--schedule", "40:kill-node:1"], 2.0),
+                       "--schedule", "40:kill-node:1"], {"first_step_s": 2.0}),
     "kill-node-sh": ("the same under jobs/node.sh",
                      ["--store", "agent", "--nodes", "2", "--start-nodes", "2",
-                      "--nproc-per-node", "2", "--schedule", "40:kill-node:1"], 2.0),
+                      "--nproc-per-node", "2", "--schedule", "40:kill-node:1"],
+                     {"first_step_s": 2.0}),
     "sigterm": ("2 nodes × 2 workers, a node's agent SIGTERMed, jobs/node.sh",
                 ["--store", "agent", "--nodes", "2", "--start-nodes", "2",
-                 "--nproc-per-node", "2", "--schedule", "40:leave:1"], 2.0),
+                 "--nproc-per-node", "2", "--schedule", "40:leave:1"], {"first_step_s": 2.0}),
     "sigstop": ("3 nodes × 1 worker, a worker SIGSTOPped alone on its node, jobs/node.sh",
                 ["--store", "external", "--nodes", "3", "--start-nodes", "3",
-                 "--schedule", "40:hang-worker:2"], HANG_TIMEOUT + 3),
+                 "--schedule", "40:hang-worker:2"], {"first_step_s": HANG_TIMEOUT + 3}),
     "kill-32": ("4 nodes × 8 workers (`make chaos32`'s shape), a node SIGKILLed: 32 → 24",
                 ["--store", "agent", "--nodes", "4", "--start-nodes", "4",
                  "--nproc-per-node", "8", "--global-batch-size", "512",
-                 "--schedule", "40:kill-node:3", "--timeout", "900"], 5.0),
+                 "--schedule", "40:kill-node:3", "--timeout", "900"], {"first_step_s": 5.0}),
+    "join": ("2 nodes × 2 workers, a third node joins (from its launch), jobs/node.sh",
+             ["--store", "agent", "--nodes", "3", "--start-nodes", "2", "--nproc-per-node", "2",
+              "--schedule", "40:join"], {"first_step_s": 8.0, "gap_s": 2.0}),
+    "kill-worker": (("2 nodes × 2 workers, a worker SIGKILLed on a node that lives on, "
+                    "jobs/node.sh"),
+                    ["--store", "agent", "--nodes", "2", "--start-nodes", "2",
+                     "--nproc-per-node", "2", "--schedule", "40:kill-worker:1"],
+                    {"gap_s": 2.0, "full_s": 15.0}),
+    "join-32": (("4 nodes × 8 workers, the node lost at step 40 coming back at step 80 (its join "
+                "measured)"),
+                ["--store", "agent", "--nodes", "4", "--start-nodes", "4",
+                 "--nproc-per-node", "8", "--global-batch-size", "512",
+                 "--schedule", "40:kill-node:3,80:join", "--timeout", "900"], {"gap_s": 5.0}),
 }
-"""name: (what, chaos flags, target seconds in process)."""
+"""name: (what, chaos flags, targets in process: seconds from the fault to the first step after
+it, ``first_step_s``; the others' longest wait between two steps, ``gap_s``; back at the job's
+size, ``full_s``). The last fault of a scenario is the one measured."""
+TARGET_NAMES = {"first_step_s": "first step", "gap_s": "gap", "full_s": "full size"}
 MODES = ("in-process", "restart")
 
 
@@ -71,7 +91,7 @@ def measure(flags: list[str], mode: str, workdir: Path) -> dict:
     if status != 0:
         raise SystemExit(f"recovery: the chaos run in {workdir} failed")
     report = json.loads(out.read_text())
-    (fault,) = report["faults"]
+    fault = report["faults"][-1]
     exits = report["exit_after_last_step_s"].values()
     return {**fault, "exit_after_last_step_s": None if None in exits else max(exits, default=None)}
 
@@ -115,31 +135,39 @@ def earlier_runs(path: Path, repeats: int) -> dict[str, dict[str, list[dict]]]:
             if same and name in SCENARIOS}
 
 
-def cell(values: list[float]) -> str:
+def cell(values: list[float | None]) -> str:
+    if not values or None in values:  # not measured then (an older run), or never reached
+        return "—"
     return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
 
 
 def render(results: dict[str, dict[str, list[dict]]]) -> str:
-    rows = [("| fault | in process (s) | steps redone | by a restart (s) | steps redone | "
-             "target in process (s) | in process, last step → every torchrun's exit (s) |"),
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    rows = [("| fault | in process: first step (s) | others' longest gap (s) | back at full size "
+             "(s) | steps redone | by a restart: first step (s) | others' longest gap (s) | "
+             "steps redone | targets in process (s) | in process, last step → every "
+             "torchrun's exit (s) |"),
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
     for name, by_mode in results.items():
-        what, _, target = SCENARIOS[name]
+        what, _, targets = SCENARIOS[name]
         cells = []
         for mode in MODES:
             runs = by_mode[mode]
-            cells += [cell([r["first_step_s"] for r in runs]),
-                      "–".join(sorted({str(r["steps_redone"]) for r in runs}))]
+            measures = ("first_step_s", "gap_s", "full_s") if mode == "in-process" else (
+                "first_step_s", "gap_s")
+            cells += [cell([r.get(m) for r in runs]) for m in measures]
+            cells.append("–".join(sorted({str(r["steps_redone"]) for r in runs})))
         exits = [r["exit_after_last_step_s"] for r in by_mode["in-process"]]
-        rows.append(f"| {what} | {' | '.join(cells)} | ≤ {target:g} | "
+        wanted = ", ".join(f"{TARGET_NAMES[k]} ≤ {v:g}" for k, v in targets.items())
+        rows.append(f"| {what} | {' | '.join(cells)} | {wanted} | "
                     f"{'a node did not exit' if None in exits else cell(exits)} |")
     return "\n".join(rows)
 
 
 def update_readme(table: str, repeats: int) -> None:
     note = textwrap.fill(
-        f"Seconds from the fault to the survivors' first completed step, median (min–max) of "
-        f"{repeats} runs of each, the two modes alternating, on {platform.machine()} with "
+        f"Seconds from the fault (a join: the node's launch) to the job's first completed step "
+        f"after it, the others' longest wait between two steps until the job is back at its "
+        f"size, and the time until it is, median (min–max) of {repeats} runs of each, the two modes alternating, on {platform.machine()} with "
         f"{len(os.sched_getaffinity(0))} cores, from `bench/recovery.json`; reproduce with "
         f"`scripts/recovery.py --update-readme`.", width=99)
     markers.rewrite("recovery", f"{table}\n\n{note}", REPO)
