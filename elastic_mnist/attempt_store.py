@@ -32,7 +32,7 @@ import time
 
 from torch.distributed import TCPStore
 
-from elastic_mnist.env import DistEnv
+from elastic_mnist.env import OUR_BACKEND, DistEnv
 from elastic_mnist.errors import EnvError
 from elastic_mnist.stores import serve_store
 
@@ -52,11 +52,13 @@ JOIN_HANG_WARNING = (
 def attempt_store(env: DistEnv, timeout: datetime.timedelta) -> TCPStore:
     """The store for this attempt's process group, served by rank 0.
 
-    Under the shared store rank 0 also says, once per launch, what no worker can mend.
+    Under the shared store of torch's c10d rendezvous rank 0 also says, once per launch, what
+    no worker can mend (our rendezvous shares its store and takes joining nodes in process).
     """
     if not env.uses_agent_store:
         return round_store(env, timeout)
-    if env.is_main and env.restart_count == 0:
+    ours = env.rendezvous is not None and env.rendezvous.backend == OUR_BACKEND
+    if env.is_main and env.restart_count == 0 and not ours:  # ours admits joins as they come
         log.warning("%s", JOIN_HANG_WARNING)
     agent = TCPStore(env.master_addr, env.master_port, is_master=False, timeout=timeout)
     return serve(agent, env, timeout) if env.is_main else find(agent, timeout)

@@ -34,8 +34,9 @@
 #   KEEP_ALIVE_MAX_ATTEMPT   rendezvous timing, explained where they are set below
 #   TORCHRUN        the launcher command, split on spaces (torchrun, else
 #                   `python -m torch.distributed.run`)
-#   RDZV_PRECHECK=0 start torchrun without first waiting (up to JOIN_TIMEOUT) for the store to
-#                   answer, on agents that do not serve it
+#   RDZV_PRECHECK=0 under c10d, start torchrun without first waiting (up to JOIN_TIMEOUT) for the
+#                   store to answer, on agents that do not serve it (our rendezvous always waits
+#                   in the agent)
 #   DRY_RUN=1       print the launch command, one argument per line, instead of running it
 set -euo pipefail
 
@@ -156,7 +157,10 @@ serves_store=$is_host
 if [[ "$is_host" == auto ]]; then
   serves_store=$(is_local "${RDZV_ENDPOINT%:*}" && echo true || echo false)
 fi
-if [[ "$serves_store" == false && "${DRY_RUN:-0}" != 1 && "${RDZV_PRECHECK:-1}" == 1 ]]; then
+# Our rendezvous waits for the store itself (JOIN_TIMEOUT, then one line): torchrun starts at once,
+# and the nodes that start together arrive within a second of each other, not a poll apart.
+if [[ "$serves_store" == false && "$rdzv_backend" == c10d && "${DRY_RUN:-0}" != 1 &&
+      "${RDZV_PRECHECK:-1}" == 1 ]]; then
   wait_for_store
 fi
 

@@ -214,16 +214,21 @@ def test_node_sh_execs_the_launcher_with_its_environment(tmp_path):
     assert record["env"]["OMP_NUM_THREADS"] == str(max(1, len(os.sched_getaffinity(0)) // 2))
 
 
-def test_node_sh_says_when_no_store_answers_within_the_join_timeout():
+@pytest.mark.parametrize("backend", ["elastic-mnist", "c10d"])
+def test_node_sh_says_when_no_store_answers_within_the_join_timeout(backend):
+    """Under our rendezvous the agent itself waits for the store (torchrun starts at once, so
+    nodes that start together arrive together); under c10d node.sh waits before torchrun. Either
+    way: one line once JOIN_TIMEOUT has passed, exit 2."""
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
     env = node_env(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_IS_HOST="false",
-                   JOIN_TIMEOUT="2", NPROC_PER_NODE="1", OMP_NUM_THREADS="1")
+                   JOIN_TIMEOUT="2", NPROC_PER_NODE="1", OMP_NUM_THREADS="1",
+                   RDZV_BACKEND=backend)
     start = time.monotonic()
     done = subprocess.run(["bash", str(NODE_SH)], env=env, timeout=60, capture_output=True,
                           text=True, check=False)
     assert done.returncode == 2 and time.monotonic() - start < 20
-    assert len(done.stderr.splitlines()) == 1
+    assert len(done.stderr.splitlines()) == 1, done.stderr
     assert f"no rendezvous store answers at 127.0.0.1:{port} after 2 s" in done.stderr
 
 

@@ -21,6 +21,7 @@ from test_agents import installed_backend
 from test_dashboards import accumulate
 from torch.distributed import TCPStore
 
+from elastic_mnist.attempt_store import JOIN_HANG_WARNING
 from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.events import read_events
 from elastic_mnist.resilience.faults import FAULT_VAR
@@ -354,6 +355,7 @@ def test_nodes_join_a_job_under_our_rendezvous_in_process(tiny_digits, tmp_path)
     assert (shrink["lost_ranks"], shrink["new_world_size"]) == (b_ranks, 2)  # B's, both
     assert [g["new_world_size"] for g in grows][-1] == 6 and recorded("fallback") == []
     assert check_audit.check(run_dir, num_samples=640) == []
+    assert JOIN_HANG_WARNING not in logs()  # c10d's shared store's trouble is not ours
     first = {g: min(r["time"] for r in rs) for (g, _), rs in audit(run_dir).items()}
     for g in grows:  # the timings, for the record
         print(f"under our rendezvous: {g['old_world_size']} -> {g['new_world_size']} at step "

@@ -175,6 +175,15 @@ def torchrun_nproc(argv: list[str] | None = None) -> int:
             f"this one is not torchrun's ({first_line(e)}): {' '.join(argv)[:200]}") from None
 
 
+def answers(host: str, port: int) -> bool:
+    """Whether something accepts connections at ``host:port`` (within a second)."""
+    try:
+        socket.create_connection((host, port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 def is_this_machine(host: str) -> bool:
     """Whether ``host`` names this machine: a loopback name or address, its host name, or a
     name that resolves to one of its host name's addresses."""
@@ -270,8 +279,21 @@ class AgentsHandler(RendezvousHandler):
                     raise RendezvousConnectionError(
                         f"cannot serve the rendezvous store on {s.host}:{s.port} (is_host=true): "
                         f"{first_line(e)}") from None
+        if server is not None:
+            return server, self._client(server.port)
+        # Another node's agent serves it, or `elastic-mnist rendezvous`: the nodes of a job start
+        # together, and this one waits for the store as long as for the job's first nodes.
+        deadline = time.monotonic() + s.join_timeout_s
+        while not answers(s.host, s.port):  # torch's own retries log a C++ trace when they end
+            if time.monotonic() >= deadline:
+                sys.stderr.write(f"torchrun: error: no rendezvous store answers at {s.host}:"
+                                 f"{s.port} after {s.join_timeout_s:g} s (join_timeout of "
+                                 f"--rdzv_conf); start the head node or the store first, or fix "
+                                 f"--rdzv_endpoint\n")
+                raise SystemExit(2)
+            time.sleep(POLL_S)
         try:
-            return server, self._client(s.port if server is None else server.port)
+            return None, self._client(s.port)
         except RuntimeError as e:
             raise RendezvousConnectionError(f"cannot reach the rendezvous store at {s.host}:"
                                             f"{s.port}: {first_line(e)}") from None
@@ -437,7 +459,8 @@ class AgentsHandler(RendezvousHandler):
 
     def _late(self, round_: int, members: list[int]) -> Answer | None:
         """``round_`` closed without this agent: into its live job, or, when that job does not run
-        in process (or publishes nothing while its workers start, :data:`START_UP_S`, or died),
+        in process (or publishes nothing while its workers start, :data:`START_UP_S`, or within
+        ``last_call_timeout`` once one of the round's agents is gone, or died),
         into the next round, room permitting (None: arrive in the round the rendezvous is in
         now). Once one of the round's agents is at the exit barrier (its workers succeeded) and
         the others too or dead, the job is over."""
@@ -458,11 +481,16 @@ class AgentsHandler(RendezvousHandler):
             if self._over(members):
                 self._finish(f"the job of round {round_} has finished")
             alive = set(members) - self.liveness.dead(members)
-            if state == "dead" or state == "restart" or state == "none" and (
-                    not alive or time.monotonic() - start >= start_up):
-                if state == "dead" or len(alive) < s.max_nodes:
-                    self.roster.bump_round(round_)
-                    return None
+            waited = time.monotonic() - start
+            full = len(alive) >= s.max_nodes
+            # No job record yet: its workers start, unless a member is gone (then, as for a job
+            # that publishes none, after the last call).
+            unpublished = start_up if len(alive) == len(members) else s.last_call_timeout_s
+            if state == "dead" or not alive or (state == "restart" and not full) or (
+                    state == "none" and not full and waited >= unpublished):
+                self.roster.bump_round(round_)
+                return None
+            if full and (state == "restart" or waited >= s.last_call_timeout_s):
                 said = said or self._say_at_maximum()
             self._wait()
 
@@ -591,13 +619,14 @@ class AgentsHandler(RendezvousHandler):
         return sorted(set(nodes) | {self.serial})
 
     def _linger(self) -> None:
-        """The agent serving the store waits, at most LINGER_S, for the agents at the exit barrier
-        to leave it: the store goes with this process."""
+        """The agent serving the store waits, at most LINGER_S, for the other live agents to be
+        done with it: those at the exit barrier to pass it, those that wait to enter the job to
+        see that it ended and leave. The store goes with this process."""
         roster = self.roster
-        others = [n for n in self._exit_expected() if n != self.serial]
+        others = [n for n in roster.registered() if n != self.serial]
         until = time.monotonic() + LINGER_S
         while time.monotonic() < until:
-            others = [n for n in others if roster.at_exit(n) and not roster.passed_exit(n)]
+            others = [n for n in others if not roster.is_gone(n) and not roster.passed_exit(n)]
             if not others:
                 return
             others = sorted(set(others) - self.liveness.dead(others))

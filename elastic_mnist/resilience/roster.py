@@ -133,6 +133,10 @@ class Roster:
         self.store.compare_set(self.key("round"), "", "0")
         return serial
 
+    def registered(self) -> list[int]:
+        """The serials of every agent that ever registered."""
+        return list(range(1, self._count("agents") + 1))
+
     def agent(self, serial: int) -> AgentRecord | None:
         found = self._get(f"agent/{serial}")
         return None if found is None else AgentRecord(**json.loads(found))
