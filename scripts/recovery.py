@@ -5,8 +5,8 @@ side.
     scripts/recovery.py [--repeats 3] [--only NAME,...] [--update-readme]
     scripts/recovery.py --soak NAME [--repeats 10]
 
-Each scenario is a chaos run (scripts/chaos.py) on loopback with a fault at step 40 of 160 (the
-last of a scenario's faults is the one measured); the job runs with ``--recovery in-process``
+Each scenario is a chaos run (scripts/chaos.py) on loopback with a fault at step 40 of 160 (of
+more where the answer takes longer; the last of a scenario's faults is the one measured); the job runs with ``--recovery in-process``
 and with ``--recovery restart`` in turn, alternating, each REPEATS times. Measured: the seconds
 from the fault (for a join, the new node's launch) to the first optimizer step the job completes
 after it (at its new size), the others' longest wait between two steps until the job is back at
@@ -65,17 +65,18 @@ SCENARIOS = {
                  "--schedule", "40:kill-node:3", "--timeout", "900"], {"first_step_s": 5.0}),
     "join": ("2 nodes × 2 workers, a third node joins (from its launch), jobs/node.sh",
              ["--store", "agent", "--nodes", "3", "--start-nodes", "2", "--nproc-per-node", "2",
-              "--schedule", "40:join"], {"first_step_s": 8.0, "gap_s": 2.0}),
+              "--schedule", "40:join", "--steps", "480"], {"first_step_s": 8.0, "gap_s": 2.0}),
     "kill-worker": (("2 nodes × 2 workers, a worker SIGKILLed on a node that lives on, "
                     "jobs/node.sh"),
                     ["--store", "agent", "--nodes", "2", "--start-nodes", "2",
-                     "--nproc-per-node", "2", "--schedule", "40:kill-worker:1"],
+                     "--nproc-per-node", "2", "--schedule", "40:kill-worker:1", "--steps", "480"],
                     {"gap_s": 2.0, "full_s": 15.0}),
     "join-32": (("4 nodes × 8 workers, the node lost at step 40 coming back at step 80 (its join "
                 "measured)"),
                 ["--store", "agent", "--nodes", "4", "--start-nodes", "4",
                  "--nproc-per-node", "8", "--global-batch-size", "512",
-                 "--schedule", "40:kill-node:3,80:join", "--timeout", "900"], {"gap_s": 5.0}),
+                 "--schedule", "40:kill-node:3,80:join", "--steps", "320", "--timeout", "900"],
+                {"gap_s": 5.0}),
 }
 """name: (what, chaos flags, targets in process: seconds from the fault to the first step after
 it, ``first_step_s``; the others' longest wait between two steps, ``gap_s``; back at the job's
@@ -86,12 +87,15 @@ MODES = ("in-process", "restart")
 
 def measure(flags: list[str], mode: str, workdir: Path) -> dict:
     out = workdir / "faults.json"
-    status = chaos.main([*flags, "--steps", "160", "--recovery", mode, "--no-reference",
+    status = chaos.main(["--steps", "160", *flags, "--recovery", mode, "--no-reference",
                          "--workdir", str(workdir), "--json", str(out)])
     if status != 0:
         raise SystemExit(f"recovery: the chaos run in {workdir} failed")
     report = json.loads(out.read_text())
     fault = report["faults"][-1]
+    if fault["first_step_s"] is None:
+        raise SystemExit(f"recovery: the job in {workdir} ended before it answered its "
+                         f"{fault['kind']}: give the scenario more --steps")
     exits = report["exit_after_last_step_s"].values()
     return {**fault, "exit_after_last_step_s": None if None in exits else max(exits, default=None)}
 
@@ -102,7 +106,7 @@ def soak(name: str, repeats: int, root: Path) -> int:
     for repeat in range(repeats):
         workdir = root / f"{name}-{repeat}"
         out = workdir / "faults.json"
-        chaos.main([*SCENARIOS[name][1], "--steps", "160", "--recovery", "in-process",
+        chaos.main(["--steps", "160", *SCENARIOS[name][1], "--recovery", "in-process",
                     "--no-reference", "--workdir", str(workdir), "--json", str(out)])
         faults = json.loads(out.read_text())["faults"] if out.exists() else []
         events = workdir / "shared" / "runs" / "chaos" / "events.jsonl"
