@@ -204,9 +204,10 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
 
     import recovery
 
-    def fault(first_step_s, redone, exit_s=1.5):
+    def fault(first_step_s, redone, exit_s=1.5, gap_s=None, full_s=None):
         return {"kind": "kill-node", "recovery": "in-process", "first_step_s": first_step_s,
-                "steps_redone": redone, "exit_after_last_step_s": exit_s}
+                "steps_redone": redone, "exit_after_last_step_s": exit_s, "gap_s": gap_s,
+                "full_s": full_s}
 
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "recovery.json").write_text(json.dumps({
@@ -218,7 +219,7 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
     def measure(flags, mode, workdir):
         measured.append((flags, mode))
         return fault(0.7 if mode == "in-process" else 8.7, 0 if mode == "in-process" else 10,
-                     None if mode == "restart" else 0.9)
+                     None if mode == "restart" else 0.9, 0.6 if mode == "in-process" else 8.8)
 
     monkeypatch.setattr(recovery, "REPO", tmp_path)
     monkeypatch.setattr(recovery, "measure", measure)
@@ -231,10 +232,13 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
     assert readme.startswith("a\n<!-- recovery:begin -->\n|") and readme.endswith("end -->\nb\n")
     assert "old" not in readme
     rows = [line for line in readme.splitlines() if line.startswith("| ") and "---" not in line]
+    # The gap measured, the time back at full size not (— where a run lacks a figure).
     assert rows[1] == ("| 2 nodes × 2 workers, a node SIGKILLed, plain torchrun | 0.7 (0.7–0.7) "
-                       "| 0 | 8.7 (8.7–8.7) | 10 | ≤ 2 | 0.9 (0.9–0.9) |")
+                       "| 0.6 (0.6–0.6) | — | 0 | 8.7 (8.7–8.7) | 8.8 (8.8–8.8) | 10 | "
+                       "first step ≤ 2 | 0.9 (0.9–0.9) |")
     assert rows[2].startswith("| 2 nodes × 2 workers, a node's agent SIGTERMed, jobs/node.sh "
-                              "| 1.2 (1.2–1.2) | 0 | 9.0 (9.0–9.0) | 10 | ≤ 2 |")
+                              "| 1.2 (1.2–1.2) | — | — | 0 | 9.0 (9.0–9.0) | — | 10 | "
+                              "first step ≤ 2 |")
 
     # Runs measured another number of times are measured again, not mixed in.
     assert recovery.earlier_runs(tmp_path / "bench" / "recovery.json", repeats=3) == {}
@@ -268,3 +272,26 @@ def test_the_recovery_soak_says_how_each_run_went(tmp_path, monkeypatch, capsys)
         ("recovery soak: kill-32 run 2/2: fell back (restart): rank 3 while creating the new "
          "group: no step completed within 20 s of the fault"),
         "recovery soak: kill-32: 1 of 2 in process"]
+
+
+def test_chaos_measures_the_others_longest_gap_and_the_time_back_at_full_size():
+    """A worker killed at t=10 on a job of 4 ranks stepping every 0.1 s: the others go on at 2
+    after a 1.5 s gap, and are back at 4 from t=16; a step redone in the newer generation counts
+    at its newer time. A join counts full size as one node more than before."""
+    import chaos
+
+    def records(times, world, generation=0):
+        return [{"step": step, "time": t, "world_size": world, "generation": generation}
+                for step, t in times]
+
+    before = records([(s, s * 0.1) for s in range(1, 101)], 4)            # up to t=10.0
+    shrunk = records([(100, 11.4), *((s, 11.5 + (s - 101) * 0.1) for s in range(101, 146))], 2,
+                     generation=1)                                         # t=11.4 .. 15.9
+    grown = records([(s, 16.0 + (s - 146) * 0.1) for s in range(146, 160)], 4, generation=2)
+    fault = chaos.Fault(step=100, kind="kill-worker", at=10.0, first_step=11.4)
+    chaos.measure_gaps(fault, before + shrunk + grown)
+    assert round(fault.gap_s, 6) == 1.5 and round(fault.full_s, 6) == 6.0
+
+    join = chaos.Fault(step=100, kind="join", at=10.0, first_step=16.0)
+    chaos.measure_gaps(join, before + shrunk + grown)
+    assert join.full_s is None  # never above 4: no join was admitted
