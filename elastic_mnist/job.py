@@ -62,7 +62,7 @@ from elastic_mnist.resilience.fence import Fence
 from elastic_mnist.resilience.lease import LeaseHold
 from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
-from elastic_mnist.resilience.roster import JobRecord, Roster
+from elastic_mnist.resilience.roster import START_UP_S, JobRecord, Roster
 from elastic_mnist.resilience.torchrun_agents import agents_for
 from elastic_mnist.trainer import Trainer
 
@@ -219,6 +219,8 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
     if not distributed.all_agree(store is not None, device):
         log.warning("faults are recovered by a restart: the rendezvous store %s does not answer "
                     "on every rank (%s)", rdzv.endpoint, reason or "on another rank")
+        if store is not None and rdzv.backend == OUR_BACKEND and env.is_main:
+            publish_restart_path(env, run_id, cfg.run.pg_timeout)
         return NullMembership()
     reason = agents.unusable(store)
     if not distributed.all_agree(reason is None, device):
@@ -237,7 +239,7 @@ def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,
 def publish_restart_path(env: DistEnv, run_id: str, timeout_s: float) -> None:
     """Rank 0 of a job on our rendezvous that recovers by restarts: says so in the records, so
     that an agent which comes late moves every node to the next round at once, as torch's c10d
-    rendezvous does, instead of waiting ``last_call_timeout`` for a job that admits nobody."""
+    rendezvous does, instead of waiting for a job record (``START_UP_S``) that never comes."""
     rdzv = env.rendezvous
     try:
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False,
@@ -247,8 +249,8 @@ def publish_restart_path(env: DistEnv, run_id: str, timeout_s: float) -> None:
             world_size=env.world_size, in_process=False, run_id=run_id, finished=False))
     except RuntimeError as e:  # DistStoreError: a late agent then waits last_call_timeout
         log.warning("could not publish the job at the rendezvous %s (%s): a node that comes "
-                    "late waits its last call before the job restarts", rdzv.endpoint,
-                    first_line(e))
+                    "late waits up to %.0f s for it before the job restarts", rdzv.endpoint,
+                    first_line(e), START_UP_S)
 
 
 DESCRIPTION = "description"

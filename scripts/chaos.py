@@ -391,8 +391,9 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
                      if r["generation"] >= answer["restart_generation"]]
             fault.first_step = min(first, default=event_time(answer))
             return
-        if answer is None and any(e["event"] == "finish" for e in events):
-            fault.job_done_first = True  # the job ended before it answered (a late join)
+        if fault.kind == "join" and answer is None and any(e["event"] == "finish"
+                                                           for e in events):
+            fault.job_done_first = True  # the job ended before it admitted the node
             return
         if fault.noticed is None and not any(map(is_running, fault.old_workers)):
             fault.noticed = now
@@ -676,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
         if f.at:
             measure_gaps(f, records)
     restarted = [f.describe() for f in faults if f.at and f.expected == "in-process"
-                 and not f.job_done_first
+                 and not (f.job_done_first and f.recovery is None)
                  and (f.recovery != "in-process" or not f.survivors_kept)]
     if restarted:
         failures.append(f"recovered by a restart, not in process: {restarted}")

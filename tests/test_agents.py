@@ -359,8 +359,8 @@ def beat(direct: Roster, stop: threading.Event) -> None:
 def test_a_node_that_comes_as_the_job_starts_waits_for_it_past_its_last_call(store, make):
     """An agent that comes after the round closed but before its job is published (its workers
     still import torch) waits for the job past its last call, nobody restarting meanwhile (it
-    then joins it, below); once the round's agents are all gone, it moves the rendezvous on at
-    once and starts the next round."""
+    then joins it, below); once one of the round's agents is gone, it moves the rendezvous on
+    after its last call, and the one left restarts into the next round with it."""
     agents_ = make("1:3", last_call_timeout=0.2)
     a, b = agents_(), agents_()
     assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
@@ -370,10 +370,14 @@ def test_a_node_that_comes_as_the_job_starts_waits_for_it_past_its_last_call(sto
         time.sleep(1.0)  # five last calls
         assert not arriving.done()
         assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
-        a.shutdown()
         b.shutdown()
-        info = arriving.result(timeout=3)
-    assert (info.rank, info.world_size, c.round) == (0, 1, 1)
+        deadline = time.monotonic() + 3
+        while a.num_nodes_waiting() != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        a_info = a.next_rendezvous()
+        c_info = arriving.result(timeout=3)
+    assert sorted(ranks([a_info, c_info])) == [(0, 2), (1, 2)] and c.round == a.round == 1
 
 
 def live_job(store, agents_: Agents) -> tuple:
@@ -655,3 +659,54 @@ def test_a_job_record_written_by_a_newer_version_is_read_without_its_new_fields(
                        in_process=True, run_id="mixed", finished=False)
     store.set(roster.key("job"), json.dumps({**dataclasses.asdict(record), "newer": 1}))
     assert roster.job() == record
+
+
+def test_a_job_that_recovers_by_restarts_keeps_the_whole_round_at_the_exit_barrier(store, make):
+    """A job record that admits nobody (NCCL, --recovery restart) names no nodes: the exit
+    barrier then waits for the round's agents, not for this one alone."""
+    agents_ = make("1:2", last_call_timeout=0.2)
+    a, b = agents_(), agents_()
+    assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
+    Roster(store, "job").publish_job(JobRecord(round=0, launch="", generation=0, nodes=[],
+                                               world_size=2, in_process=False, run_id="job",
+                                               finished=False))
+    with pytest.raises(dist.DistStoreError, match=f"agent.s. {b.serial} of the job"):
+        a.exit_barrier(0.5)
+
+
+def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only():
+    """At its end the agent serving the store waits for an agent that waits to enter the job
+    (at --nnodes' maximum) to see that the job ended and leave, so that it never loses the store
+    first; not for an agent that went silent long ago without a word (killed), nor beyond."""
+    port = free_port()
+
+    def handler(is_host: bool) -> AgentsHandler:
+        params = RendezvousParameters("elastic-mnist", f"127.0.0.1:{port}", "job", 1, 2,
+                                      is_host=str(is_host).lower(), keep_alive_interval="0.1",
+                                      last_call_timeout="0.2")
+        return AgentsHandler(Settings.from_params(params), nproc=1)
+
+    host, other = handler(True), handler(False)
+    silent = handler(False)
+    silent.keep_alive.stop()  # registered, then SIGKILLed: nobody ever judged it dead
+    late = None
+    try:
+        assert ranks(rendezvous([host, other])) == [(0, 2), (1, 2)]
+        late = handler(False)
+        with ThreadPoolExecutor(3) as pool:
+            waiting = pool.submit(late.next_rendezvous)
+            time.sleep(0.6)  # at the maximum: it waits
+            assert not waiting.done() and host.roster.waiting_agents() == [late.serial]
+            barriers = [pool.submit(h.exit_barrier, 5.0) for h in (host, other)]
+            for barrier in barriers:
+                barrier.result(timeout=5)
+            start = time.monotonic()
+            host.shutdown()
+            took = time.monotonic() - start
+            assert waiting.done(), "the host left while an agent still read its store"
+            assert isinstance(waiting.exception(), GracefulExit)
+        assert took < agents.LINGER_S * 0.8, took  # not held up by the silent one
+    finally:
+        for h in (other, silent, late):
+            if h is not None:
+                h.shutdown()

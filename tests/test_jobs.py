@@ -230,6 +230,8 @@ def test_node_sh_says_when_no_store_answers_within_the_join_timeout(backend):
     assert done.returncode == 2 and time.monotonic() - start < 20
     assert len(done.stderr.splitlines()) == 1, done.stderr
     assert f"no rendezvous store answers at 127.0.0.1:{port} after 2 s" in done.stderr
+    said_by = {"elastic-mnist": "torchrun: error: ", "c10d": "jobs/node.sh: "}[backend]
+    assert done.stderr.startswith(said_by), done.stderr
 
 
 def test_node_sh_falls_back_to_python_module():

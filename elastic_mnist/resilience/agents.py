@@ -32,6 +32,7 @@ timeout, 900 unless given), is ignored as c10d ignores it: ``join_timeout`` boun
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import ipaddress
 import logging
@@ -40,7 +41,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -69,10 +70,6 @@ POLL_S = 0.05
 """How often an agent reads the store while a round forms or at the exit barrier."""
 WAIT_S = 0.2
 """How often it reads while it waits for room, a job record, or its judgement of others."""
-START_UP_S = 120.0
-"""How long an agent that came late waits for the job of its round to be published (its workers
-start: they import torch, read the data, form their group) before it moves every node to the next
-round, as torch's c10d rendezvous would at once; not longer than ``join_timeout``."""
 LINGER_S = 1.0
 """How long the agent serving the store waits, as it shuts down, for the agents at the exit
 barrier to leave it (their store goes with it)."""
@@ -335,8 +332,9 @@ class AgentsHandler(RendezvousHandler):
         so that it knows the dead ones when it reaches the exit barrier."""
         if self.round is None:
             return 0
-        if time.monotonic() >= self.next_look:
-            self.liveness.dead(self._exit_expected())
+        if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (_linger)
+            waiting = self.roster.waiting_agents() if self.server is not None else []
+            self.liveness.dead(self._exit_expected() + waiting)
             self.next_look = time.monotonic() + self.settings.keep_alive_interval_s / 2
         return self.roster.waiting(self.round)
 
@@ -368,7 +366,8 @@ class AgentsHandler(RendezvousHandler):
                 if self.serial in members:
                     answer = Answer(r, members.index(self.serial), len(members))
                     break
-            answer = self._late(r, members)
+            with self._waiting():
+                answer = self._late(r, members)
         return self._answer(answer)
 
     # --- rounds ------------------------------------------------------------------------------
@@ -453,20 +452,34 @@ class AgentsHandler(RendezvousHandler):
             state = self._job_state(r, Watch(self.store, self.roster.key(f"alive/{self.serial}"),
                                              self.settings.keep_alive_max_attempt))
             if state == "live":
-                return self._join(r)
+                with self._waiting():
+                    return self._join(r)
             self.roster.bump_round(r)
         return None
 
+    @contextlib.contextmanager
+    def _waiting(self) -> Iterator[None]:
+        """Says in the store, while it lasts, that this agent waits to enter the job: the agent
+        serving the store lingers for it (:meth:`_linger`)."""
+        self.roster.set_waiting(self.serial, True)
+        try:
+            yield
+        finally:
+            try:
+                self.roster.set_waiting(self.serial, False)
+            except RuntimeError:  # the store went: what ends the wait says why
+                pass
+
     def _late(self, round_: int, members: list[int]) -> Answer | None:
         """``round_`` closed without this agent: into its live job, or, when that job does not run
-        in process (or publishes nothing while its workers start, :data:`START_UP_S`, or within
+        in process (or publishes nothing while its workers start, ``START_UP_S``, or within
         ``last_call_timeout`` once one of the round's agents is gone, or died),
         into the next round, room permitting (None: arrive in the round the rendezvous is in
         now). Once one of the round's agents is at the exit barrier (its workers succeeded) and
         the others too or dead, the job is over."""
         s = self.settings
         start, said = time.monotonic(), False
-        start_up = max(s.last_call_timeout_s, min(START_UP_S, s.join_timeout_s))
+        start_up = max(s.last_call_timeout_s, min(rs.START_UP_S, s.join_timeout_s))
         self.seen_round = round_
         watch = Watch(self.store, self.roster.key(f"alive/{self.serial}"),
                       s.keep_alive_max_attempt)
@@ -506,6 +519,8 @@ class AgentsHandler(RendezvousHandler):
         self.roster.beats()
         while True:
             job = self.roster.job()
+            if job is not None and job.round < round_ and not job.in_process:
+                return "restart"  # the job recovers by restarts: its new round's record is due
             if job is None or job.round != round_:
                 return "none"
             if job.finished:
@@ -605,13 +620,13 @@ class AgentsHandler(RendezvousHandler):
         roster.pass_exit(self.serial)
 
     def _exit_expected(self) -> list[int]:
-        """This agent and those of its round's job (``P job``'s nodes, else the round's), with
-        the agents that asked to join the job and were not admitted (their workers read in the
-        store that the job ended without them, then their agents come here: the store must
-        outlive them)."""
+        """This agent and those of its round's job (``P job``'s nodes where it runs in process,
+        else the round's), with the agents that asked to join the job and were not admitted
+        (their workers read in the store that the job ended without them, then their agents come
+        here: the store must outlive them)."""
         round_ = self.round if self.round is not None else self.seen_round
         job = self.roster.job()
-        if job is not None and job.round == round_:
+        if job is not None and job.round == round_ and job.in_process:  # else it names none
             nodes = job.nodes + [n for _, n in self.roster.pending_joins(round_, job.nodes,
                                                                         set())]
         else:
@@ -623,13 +638,13 @@ class AgentsHandler(RendezvousHandler):
         done with it: those at the exit barrier to pass it, those that wait to enter the job to
         see that it ended and leave. The store goes with this process."""
         roster = self.roster
-        others = [n for n in roster.registered() if n != self.serial]
+        expected = [n for n in self._exit_expected() if n != self.serial]
         until = time.monotonic() + LINGER_S
         while time.monotonic() < until:
-            others = [n for n in others if not roster.is_gone(n) and not roster.passed_exit(n)]
-            if not others:
+            others = {n for n in expected if roster.at_exit(n) and not roster.passed_exit(n)}
+            others |= set(roster.waiting_agents()) - {self.serial}
+            if not others - self.liveness.dead(sorted(others)):
                 return
-            others = sorted(set(others) - self.liveness.dead(others))
             time.sleep(POLL_S / 5)
 
 

@@ -6,6 +6,7 @@ Every key lives under ``P = "elastic_mnist/<run_id>/rdzv/"`` on the raw store (n
 - ``P agents``: a counter; each agent process (an *incarnation*) takes its serial from it.
   ``P agent/<n>``: what it is (:class:`AgentRecord`). ``P alive/<n>``: its keep-alive counter,
   raised every ``keep_alive_interval`` while the agent process lives. ``P gone/<n>``: it shut down.
+  ``P waiting/<n>``: ``1`` while it waits to enter a running job (else ``0``).
 - ``P round``: the round agents meet in now (0 at first). A round's arrivals:
   ``P round/<r>/count`` and ``P round/<r>/arrived/<k>`` (serials, in arrival order); its members,
   once closed: ``P round/<r>/members`` (JSON list, group rank = index).
@@ -36,6 +37,10 @@ KEEP_ALIVE_S = 5.0
 """``keep_alive_interval`` unless ``--rdzv_conf`` says otherwise (torch's c10d default)."""
 KEEP_ALIVE_ATTEMPTS = 3
 """``keep_alive_max_attempt`` unless ``--rdzv_conf`` says otherwise (torch's c10d default)."""
+START_UP_S = 120.0
+"""How long an agent that came after its round closed waits for the round's job to be published
+(its workers start: they import torch, read the data, form their group) before it moves every node
+to the next round, as torch's c10d rendezvous would at once; not longer than ``join_timeout``."""
 
 # The environment the agent exports to its workers (agents.py writes it, env.py reads it).
 ENV_RDZV = "ELASTIC_MNIST_RDZV"
@@ -130,8 +135,26 @@ class Roster:
         serial = self.store.add(self.key("agents"), 1)
         self.store.set(self.key(f"agent/{serial}"), json.dumps(dataclasses.asdict(agent)))
         self.store.add(self.key(f"alive/{serial}"), 1)
+        self.set_waiting(serial, False)
         self.store.compare_set(self.key("round"), "", "0")
         return serial
+
+    def set_waiting(self, serial: int, waiting: bool) -> None:
+        """Agent ``serial`` waits to enter a job that runs (it reads the store until it does, or
+        until the job ends), or no longer does."""
+        self.store.set(self.key(f"waiting/{serial}"), "1" if waiting else "0")
+
+    def waiting_agents(self) -> list[int]:
+        """The registered agents that wait to enter a job (:meth:`set_waiting`)."""
+        serials = self.registered()
+        keys = [self.key(f"waiting/{n}") for n in serials]
+        if not keys:
+            return []
+        if not self.store.check(keys):  # an agent between its serial and its flag
+            present = [(n, k) for n, k in zip(serials, keys, strict=True) if self.store.check([k])]
+            serials, keys = [n for n, _ in present], [k for _, k in present]
+        values = self.store.multi_get(keys) if keys else []
+        return [n for n, v in zip(serials, values, strict=True) if v == b"1"]
 
     def registered(self) -> list[int]:
         """The serials of every agent that ever registered."""

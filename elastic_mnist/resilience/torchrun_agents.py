@@ -107,6 +107,16 @@ class TorchrunAgents(NoAgents):
         against did (:data:`CHECKED_TORCH`): its state reads, and lists agents by name and pid
         in rounds. Else what failed, in one line."""
         try:
+            # What the job's end needs too (arrive_at_exit_barrier, _unprefixed).
+            from torch.distributed.elastic.agent.server.api import (  # noqa: F401
+                _TERMINAL_STATE_SYNC_ID,
+            )
+            from torch.distributed.elastic.utils.store import (  # noqa: F401
+                _LAST_MEMBER_CHECKIN,
+                _NUM_MEMBERS,
+            )
+
+            _unprefixed(dist.PrefixStore("probe", store))
             state, _ = RendezvousReader(store, self.rdzv.run_id).read()
             int(state.round)
             for node in state.participants:
@@ -224,7 +234,7 @@ class TorchrunAgents(NoAgents):
                 raise ValueError(f"the rendezvous is in round {round_}, this job's agents were "
                                  f"in {self.round}")
             arrive_at_exit_barrier(store, run_id, round_, missing, launch_agents)
-        except (RuntimeError, pickle.UnpicklingError, ValueError) as e:
+        except Exception as e:  # noqa: BLE001 - a job that trained ends, whatever torch did
             log.warning("could not release the agents of the nodes that are gone (%s): the "
                         "others wait for them up to torchrun's exit barrier timeout (300 s)",
                         first_line(e))
