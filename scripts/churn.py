@@ -19,10 +19,12 @@ It first runs the same job without faults for CALIBRATE_S, for its steady step r
 job is sized to run about MINUTES at that rate and then goes on to its last step without
 faults. It reports, per fault: the seconds lost (the healthy nodes' longest gap between two steps
 after it, less the normal step), whether any healthy process restarted (a worker of a node the
-fault did not touch that is gone), and the run's effective training time (the fault-free wall
-time for the same steps over the churn run's, first step to last). It fails (exit 1) when a
-sample was lost or doubled (scripts/check_audit.py), a healthy process restarted, or the job
-finished other than once.
+fault did not touch that is gone), and the run's effective training time: its wall time, first
+step to last, less the seconds lost to its faults, over its wall time; beside it the fault-free
+wall time for the same steps over the churn run's (above 100% where the job ran smaller: nodes
+simulated on one machine's cores step faster when fewer). It fails (exit 1) when a sample was
+lost or doubled (scripts/check_audit.py), a healthy process restarted, or the job finished other
+than once.
 """
 
 from __future__ import annotations
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     normal = normal_step(times)
     for i, blow in enumerate(blows):
         until = blows[i + 1].at if i + 1 < len(blows) else max(times.values(), default=blow.at)
-        inside = sorted(t for t in times.values() if blow.at - normal <= t <= until)
+        # From the last step completed before it: the first wait it causes may start there.
+        start = max((t for t in times.values() if t <= blow.at), default=blow.at)
+        inside = sorted(t for t in times.values() if start <= t <= until)
         gaps = [b - a for a, b in itertools.pairwise(inside)]
         blow.lost_s = max(max(gaps, default=0.0) - normal, 0.0)
     events = observer.events()
@@ -225,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     if restarted:
         failures.append(f"healthy processes restarted after: {restarted}")
     wall = max(times.values()) - min(times.values()) if times else float("inf")
-    effective = (len(times) / rate) / wall if wall else 0.0
+    by_rate = (len(times) / rate) / wall if wall else 0.0
+    effective = 1.0 - sum(b.lost_s or 0.0 for b in blows) / wall if wall else 0.0
 
     rows = ["| fault | count | seconds lost (median, max) | healthy restarted |",
             "| --- | ---: | ---: | --- |"]
@@ -237,9 +242,13 @@ def main(argv: list[str] | None = None) -> int:
                         f"{max(lost_s):.1f} | "
                         f"{'yes' if any(b.healthy_restarted for b in mine) else 'no'} |")
     summary = "\n".join(rows) + (
-        f"\n\n{len(blows)} faults in {args.minutes:g} minutes on {args.nodes} nodes x "
-        f"{args.nproc_per_node} workers; effective training time {effective:.0%} (fault-free "
-        f"{rate:.2f} steps/s; `make churn`).")
+        f"\n\n{len(blows)} faults in {wall / 60:.1f} minutes of training on {args.nodes} "
+        f"nodes x {args.nproc_per_node} workers; effective training time {effective:.0%} (the "
+        f"run's wall time less the seconds its faults cost, over its wall time). The fault-free "
+        f"wall time for the same steps over the run's is {by_rate:.0%} (fault-free "
+        f"{rate:.2f} steps/s at {args.nodes * args.nproc_per_node} ranks): above 100% where the "
+        f"job ran smaller, its steps faster with fewer simulated nodes on this machine's cores. "
+        f"`make churn`.")
     print(summary)
     if args.plot:
         plot(observer, args.plot, blows)
@@ -247,8 +256,9 @@ def main(argv: list[str] | None = None) -> int:
         markers.rewrite(args.readme_section, summary)
     if args.json:
         args.json.write_text(json.dumps({
-            "failures": failures, "effective": effective, "rate": rate, "normal_step_s": normal,
-            "faults": [{"kind": b.kind, "node": b.node, "lost_s": b.lost_s,
+            "failures": failures, "effective": effective, "by_rate": by_rate, "rate": rate,
+            "normal_step_s": normal, "wall_s": wall,
+            "faults": [{"kind": b.kind, "node": b.node, "at": b.at, "lost_s": b.lost_s,
                         "healthy_restarted": b.healthy_restarted} for b in blows]}, indent=2))
     for failure in failures:
         print(f"FAIL {failure}")
