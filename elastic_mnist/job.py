@@ -244,7 +244,10 @@ def publish_restart_path(env: DistEnv, run_id: str, timeout_s: float) -> None:
     try:
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False,
                               timeout=datetime.timedelta(seconds=timeout_s))
-        Roster(store, rdzv.run_id).publish_job(JobRecord(
+        roster = Roster(store, rdzv.run_id)
+        if roster.round() > (rdzv.round or 0):
+            return  # the rendezvous went on: this job is being restarted, its record would lie
+        roster.publish_job(JobRecord(
             round=rdzv.round or 0, launch="", generation=0, nodes=[],
             world_size=env.world_size, in_process=False, run_id=run_id, finished=False))
     except RuntimeError as e:  # DistStoreError: a late agent then waits last_call_timeout

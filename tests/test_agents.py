@@ -710,3 +710,23 @@ def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only(
         for h in (other, silent, late):
             if h is not None:
                 h.shutdown()
+
+
+def test_a_rank_0_of_an_older_round_stops_speaking_for_the_job(store):
+    """Once our rendezvous moved on to a later round (the job's agents restart it), its rank 0
+    neither beats nor publishes: its beat or record would pass for the next round's job."""
+    from types import SimpleNamespace
+
+    from elastic_mnist.env import Rendezvous
+    from elastic_mnist.resilience.admissions import Admissions
+
+    admissions = Admissions.__new__(Admissions)  # its rank 0's reading, without its thread
+    admissions.member = SimpleNamespace(env=SimpleNamespace(
+        rendezvous=Rendezvous("127.0.0.1", store.port, "job", backend="elastic-mnist")))
+    admissions.records, admissions.round = Roster(store, "job"), 0
+    store.set(admissions.records.key("round"), "0")  # as the first agent's registration sets it
+    assert not admissions._moved_on()
+    admissions.records.bump_round(0)
+    assert admissions._moved_on()
+    admissions.member.env.rendezvous = Rendezvous("127.0.0.1", store.port, "job")  # c10d's
+    assert not admissions._moved_on()

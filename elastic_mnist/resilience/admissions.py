@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity
 from elastic_mnist.resilience.roster import JobRecord, Roster
@@ -87,6 +88,8 @@ class Admissions:
                 with self._lock:
                     if self._stop.is_set():
                         return
+                    if self._moved_on():
+                        continue
                     self.records.beat()
                     generation, identities = self._identities()
                     if identities is None:
@@ -101,6 +104,14 @@ class Admissions:
                     log.warning("the rendezvous records do not answer (%s): no node joins until "
                                 "they do", first_line(e))
                 self._failing = str(e)
+
+    def _moved_on(self) -> bool:
+        """Our rendezvous went on to a later round than this job's: its agents restart it, and
+        this rank 0 no longer speaks for the job there (a beat or a record of it would pass for
+        the next round's job)."""
+        rdzv = self.member.env.rendezvous
+        return (rdzv is not None and rdzv.backend == OUR_BACKEND
+                and self.records.round() > self.round)
 
     def _identities(self) -> tuple[int, dict[int, Identity] | None]:
         """The current generation, and its ranks' identities once every rank has said who it
@@ -189,6 +200,8 @@ class Admissions:
             if m.env.rank != 0 or m.joining:
                 return
             try:
+                if self._moved_on():
+                    return
                 identities = m.identities(m.connections.declare)
                 self.records.publish_job(self._job(m.generation, identities, finished=True))
             except RuntimeError as e:
