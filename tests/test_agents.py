@@ -361,7 +361,7 @@ def test_a_node_that_comes_as_the_job_starts_waits_for_it_past_its_last_call(sto
     still import torch) waits for the job past its last call, nobody restarting meanwhile (it
     then joins it, below); once one of the round's agents is gone, it moves the rendezvous on
     after its last call, and the one left restarts into the next round with it."""
-    agents_ = make("1:3", last_call_timeout=0.2)
+    agents_ = make("2:3", last_call_timeout=0.2)  # the next round waits for both
     a, b = agents_(), agents_()
     assert ranks(rendezvous([a, b])) == [(0, 2), (1, 2)]
     c = agents_()
@@ -677,7 +677,7 @@ def test_a_job_that_recovers_by_restarts_keeps_the_whole_round_at_the_exit_barri
 def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only():
     """At its end the agent serving the store waits for an agent that waits to enter the job
     (at --nnodes' maximum) to see that the job ended and leave, so that it never loses the store
-    first; not for an agent that went silent long ago without a word (killed), nor beyond."""
+    first; not for one killed as it waited, once judged dead, nor beyond."""
     port = free_port()
 
     def handler(is_host: bool) -> AgentsHandler:
@@ -688,15 +688,22 @@ def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only(
 
     host, other = handler(True), handler(False)
     silent = handler(False)
-    silent.keep_alive.stop()  # registered, then SIGKILLed: nobody ever judged it dead
     late = None
     try:
         assert ranks(rendezvous([host, other])) == [(0, 2), (1, 2)]
+        silent.roster.set_waiting(silent.serial, True)
+        silent.keep_alive.stop()  # SIGKILLed as it waited to enter
+        deadline = time.monotonic() + 2  # the host's agent looks on, as torch's agent asks it
+        while silent.serial not in host.liveness.dead([silent.serial]):
+            host.num_nodes_waiting()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         late = handler(False)
         with ThreadPoolExecutor(3) as pool:
             waiting = pool.submit(late.next_rendezvous)
             time.sleep(0.6)  # at the maximum: it waits
-            assert not waiting.done() and host.roster.waiting_agents() == [late.serial]
+            assert not waiting.done()
+            assert host.roster.waiting_agents() == [silent.serial, late.serial]
             barriers = [pool.submit(h.exit_barrier, 5.0) for h in (host, other)]
             for barrier in barriers:
                 barrier.result(timeout=5)

@@ -496,9 +496,12 @@ class AgentsHandler(RendezvousHandler):
             alive = set(members) - self.liveness.dead(members)
             waited = time.monotonic() - start
             full = len(alive) >= s.max_nodes
-            # No job record yet: its workers start, unless a member is gone (then, as for a job
-            # that publishes none, after the last call).
-            unpublished = start_up if len(alive) == len(members) else s.last_call_timeout_s
+            # No job record yet: its workers start, unless a member is gone or the last round's
+            # job recovered by restarts (then, as for a job that publishes none, after the last
+            # call).
+            unpublished = start_up
+            if state == "none" and (len(alive) < len(members) or self._restarted_last()):
+                unpublished = s.last_call_timeout_s
             if state == "dead" or not alive or (state == "restart" and not full) or (
                     state == "none" and not full and waited >= unpublished):
                 self.roster.bump_round(round_)
@@ -506,6 +509,12 @@ class AgentsHandler(RendezvousHandler):
             if full and (state == "restart" or waited >= s.last_call_timeout_s):
                 said = said or self._say_at_maximum()
             self._wait()
+
+    def _restarted_last(self) -> bool:
+        """The newest job record is an earlier round's that recovers by restarts (the job may be
+        on its way to running in process now: its fallback may have been passing)."""
+        job = self.roster.job()
+        return job is not None and not job.in_process
 
     def _over(self, members: list[int]) -> bool:
         """Whether the agents of ``members`` are at the exit barrier (but the dead), one at least."""
@@ -519,8 +528,6 @@ class AgentsHandler(RendezvousHandler):
         self.roster.beats()
         while True:
             job = self.roster.job()
-            if job is not None and job.round < round_ and not job.in_process:
-                return "restart"  # the job recovers by restarts: its new round's record is due
             if job is None or job.round != round_:
                 return "none"
             if job.finished:
