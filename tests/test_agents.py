@@ -100,6 +100,14 @@ def rendezvous(handlers: list[AgentsHandler], stagger_s: float = 0.05) -> list:
         return [f.exception() or f.result() for f in futures]
 
 
+def wait_for_a_waiting_node(handler: AgentsHandler, within_s: float) -> None:
+    """Asks ``handler`` as torch's agent does until one node waits in the next round."""
+    deadline = time.monotonic() + within_s
+    while handler.num_nodes_waiting() != 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def ranks(infos: list) -> list[tuple[int, int]]:
     return [(info.rank, info.world_size) for info in infos]
 
@@ -268,10 +276,7 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
 
     with ThreadPoolExecutor(1) as pool:
         restarted = pool.submit(a.next_rendezvous)  # a's workers failed
-        deadline = time.monotonic() + 5
-        while b.num_nodes_waiting() != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_a_waiting_node(b, within_s=5)
         b_info = b.next_rendezvous()  # as torch's agent does when a node waits
         a_info = restarted.result(timeout=5)
     assert (a.round, b.round) == (1, 1)
@@ -286,9 +291,7 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
     with ThreadPoolExecutor(1) as pool:
         start = time.monotonic()
         restarted = pool.submit(b.next_rendezvous)  # no beat: the job is dead
-        while a.num_nodes_waiting() != 1:
-            assert time.monotonic() - start < 5
-            time.sleep(0.02)
+        wait_for_a_waiting_node(a, within_s=5)
         # Judged by b's own keep-alive, not at once, and not within the job's quiet time.
         assert time.monotonic() - start >= 1.0
         a.next_rendezvous()
@@ -301,11 +304,8 @@ def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, ma
                                  in_process=False, run_id="job", finished=False))
     late = agents_(last_call_timeout=30)
     with ThreadPoolExecutor(1) as pool:
-        start = time.monotonic()
         arrived = pool.submit(late.next_rendezvous)
-        while a.num_nodes_waiting() != 1:
-            assert time.monotonic() - start < 3
-            time.sleep(0.02)
+        wait_for_a_waiting_node(a, within_s=3)
         infos = rendezvous([a, b])
         assert sorted(ranks([*infos, arrived.result(timeout=5)])) == [(0, 3), (1, 3), (2, 3)]
 
@@ -330,10 +330,7 @@ def test_beyond_the_maximum_a_node_waits_and_enters_when_one_leaves_or_leaves_wh
         assert [r.getMessage() for r in caplog.records] == [
             "the job runs at its --nnodes maximum of 2 nodes: this node enters when one leaves"]
         b.shutdown()  # b's node left
-        deadline = time.monotonic() + 5
-        while a.num_nodes_waiting() != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_a_waiting_node(a, within_s=5)
         a_info = a.next_rendezvous()
         c_info = waiting.result(timeout=5)
     assert (c.round, a.round) == (1, 1)
@@ -371,10 +368,7 @@ def test_a_node_that_comes_as_the_job_starts_waits_for_it_past_its_last_call(sto
         assert not arriving.done()
         assert a.num_nodes_waiting() == b.num_nodes_waiting() == 0
         b.shutdown()
-        deadline = time.monotonic() + 3
-        while a.num_nodes_waiting() != 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_for_a_waiting_node(a, within_s=3)
         a_info = a.next_rendezvous()
         c_info = arriving.result(timeout=3)
     assert sorted(ranks([a_info, c_info])) == [(0, 2), (1, 2)] and c.round == a.round == 1
