@@ -34,7 +34,7 @@ from torch.distributed import TCPStore
 
 from elastic_mnist.env import OUR_BACKEND, DistEnv
 from elastic_mnist.errors import EnvError
-from elastic_mnist.stores import serve_store
+from elastic_mnist.stores import listening, serve_store
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
         entry = json.loads(agent.get(ENTRY))  # waits until some attempt has published one
-        if not listening(entry["host"], entry["port"]):  # a dead attempt's: c10d would log it
+        # A dead attempt's entry: c10d would log the refused connection.
+        if not listening(entry["host"], entry["port"], PROBE_TIMEOUT.total_seconds()):
             time.sleep(0.05)
             continue
         try:
@@ -110,11 +111,3 @@ def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
         time.sleep(0.05)
     raise TimeoutError(f"rank 0 published no live store within {timeout.total_seconds():.0f} s")
 
-
-def listening(host: str, port: int) -> bool:
-    """Whether anything accepts connections at host:port (refused at once when nothing does)."""
-    try:
-        with socket.create_connection((host, port), timeout=PROBE_TIMEOUT.total_seconds()):
-            return True
-    except OSError:
-        return False

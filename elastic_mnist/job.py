@@ -250,7 +250,7 @@ def publish_restart_path(env: DistEnv, run_id: str, timeout_s: float) -> None:
         roster.publish_job(JobRecord(
             round=rdzv.round or 0, launch="", generation=0, nodes=[],
             world_size=env.world_size, in_process=False, run_id=run_id, finished=False))
-    except RuntimeError as e:  # DistStoreError: a late agent then waits last_call_timeout
+    except RuntimeError as e:  # DistStoreError: a late agent then waits START_UP_S
         log.warning("could not publish the job at the rendezvous %s (%s): a node that comes "
                     "late waits up to %.0f s for it before the job restarts", rdzv.endpoint,
                     first_line(e), START_UP_S)

@@ -51,6 +51,15 @@ def names_loopback(host: str) -> bool:
         return False
 
 
+def listening(host: str, port: int, timeout_s: float) -> bool:
+    """Whether anything accepts connections at host:port (refused at once when nothing does)."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
 def listening_socket(host: str, port: int, *, peers_local: bool) -> socket.socket:
     """A TCP socket bound to ``listen_address(host)`` and ``port`` (0: a free one), listening."""
     family, address = listen_address(host, peers_local=peers_local)

@@ -172,15 +172,6 @@ def torchrun_nproc(argv: list[str] | None = None) -> int:
             f"this one is not torchrun's ({first_line(e)}): {' '.join(argv)[:200]}") from None
 
 
-def answers(host: str, port: int) -> bool:
-    """Whether something accepts connections at ``host:port`` (within a second)."""
-    try:
-        socket.create_connection((host, port), timeout=1.0).close()
-    except OSError:
-        return False
-    return True
-
-
 def is_this_machine(host: str) -> bool:
     """Whether ``host`` names this machine: a loopback name or address, its host name, or a
     name that resolves to one of its host name's addresses."""
@@ -261,7 +252,7 @@ class AgentsHandler(RendezvousHandler):
 
     def _connect(self) -> tuple[dist.TCPStore | None, dist.TCPStore]:
         """(the store this agent serves, or None; this agent's connection to the store)."""
-        from elastic_mnist.stores import serve_store
+        from elastic_mnist.stores import listening, serve_store
 
         s = self.settings
         server = None
@@ -281,7 +272,8 @@ class AgentsHandler(RendezvousHandler):
         # Another node's agent serves it, or `elastic-mnist rendezvous`: the nodes of a job start
         # together, and this one waits for the store as long as for the job's first nodes.
         deadline = time.monotonic() + s.join_timeout_s
-        while not answers(s.host, s.port):  # torch's own retries log a C++ trace when they end
+        # Not torch's own retries: they log a C++ trace when they end.
+        while not listening(s.host, s.port, timeout_s=1.0):
             if time.monotonic() >= deadline:
                 sys.stderr.write(f"torchrun: error: no rendezvous store answers at {s.host}:"
                                  f"{s.port} after {s.join_timeout_s:g} s (join_timeout of "
