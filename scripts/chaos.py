@@ -9,7 +9,8 @@ Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh
 uses, in the environment chaos itself was given) with NPROC_PER_NODE workers each, meeting at a
 rendezvous store served by ``elastic-mnist rendezvous`` (or, with ``--store agent``, by the first
 node's agent), training on small synthetic digits with ``--audit-samples``. At chosen optimizer
-steps it injects faults:
+steps it injects faults, each once the job is back at its size after the one before (and
+SETTLE_STEPS steps later):
 
     kill-node     SIGKILL of a node's whole process tree (agent and workers): the others go on
                   in process
@@ -74,6 +75,10 @@ OURS_IN_PROCESS_KINDS = (*IN_PROCESS_KINDS, "kill-worker", "join")
 """Under our rendezvous (``--rdzv_backend=elastic-mnist``) a node whose worker died, and a node
 that joins, enter the running job in process too: nobody healthy restarts."""
 REQUEUE_DELAY_S = 3.0
+SETTLE_STEPS = 10
+"""Steps the job takes at its full size, after one fault's recovery, before the next fault: a
+fault whose step came while the job was still recovering from the one before is that much late
+(its row says the step it came at)."""
 ROUND_GUARD_LINE = "the rendezvous moved on to round"  # what a rank logs when it leaves for it
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
@@ -111,6 +116,8 @@ class Fault:
     full_s: float | None = None
     """Seconds from the fault to the first step at the job's size before it, or above it (a
     join): None when the job did not get back there."""
+    size_before: int | None = None
+    """The job's world size at its last step before the fault."""
 
     def describe(self) -> str:
         return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
@@ -256,6 +263,12 @@ class Observer:
     def step(self) -> int:
         return max((r["step"] for r in self.audit()), default=0)
 
+    def world_size(self, since: float = 0.0) -> int | None:
+        """The world size of the newest step recorded after ``since`` (None: none yet)."""
+        newest = max((r for r in self.audit() if r["time"] > since), key=lambda r: r["time"],
+                     default=None)
+        return None if newest is None else newest["world_size"]
+
     def finished(self) -> bool:
         return any(e["event"] == "finish" for e in self.events())
 
@@ -350,9 +363,15 @@ def measure_gaps(fault: Fault, records: list[dict]) -> None:
     if not before or fault.first_step is None:
         return
     size = before[-1] + (1 if fault.kind == "join" else 0)
-    full = next((t for t, w in steps if t > fault.at and w >= size), None)
+    # After a departure, full size counts from the job's first step without the node: a step
+    # in flight as it was told to leave completes at the old size first.
+    since = fault.at if fault.kind == "join" else fault.first_step
+    full = next((t for t, w in steps if t > fault.at and t >= since and w >= size), None)
     fault.full_s = None if full is None else full - fault.at
-    until = full if full is not None else fault.first_step
+    # Without a return to full size: until the first step completed (by its last rank) after
+    # the fault's first step began to be recorded.
+    until = full if full is not None else next(
+        (t for t, _ in steps if t >= fault.first_step), fault.first_step)
     inside = [t for t, _ in steps if t > fault.at and t <= until]
     times = [max(t for t, _ in steps if t <= fault.at), *inside]
     fault.gap_s = max((b - a for a, b in itertools.pairwise(times)), default=None)
@@ -416,6 +435,30 @@ def watch_recovery(fault: Fault, observer: Observer, timeout: float) -> None:
                 fault.job_done_first = True
                 return
         time.sleep(0.05)
+
+
+def comes_back(fault: Fault, nproc_per_node: int) -> bool:
+    """The fault's node comes back (a join, a preempted node requeued, a node whose worker died
+    or froze beside a sibling, which its agent restarts): the job returns to its size."""
+    return fault.kind in ("join", "preempt-node", "kill-worker") or (
+        fault.kind == "hang-worker" and nproc_per_node > 1)
+
+
+def wait_back(fault: Fault, observer: Observer, nproc_per_node: int, deadline: float) -> None:
+    """Until the job steps at its size before the fault again (after a join: with the new node
+    in), or has finished: the next fault then meets whole nodes, none of them still entering."""
+    if fault.size_before is None or fault.first_step is None:
+        return
+    size = fault.size_before + (nproc_per_node if fault.kind == "join" else 0)
+    since = fault.at if fault.kind == "join" else fault.first_step  # see measure_gaps
+    while not observer.finished():
+        back = observer.world_size(since=since)
+        if back is not None and back >= size:
+            return
+        if time.time() > deadline:
+            raise TimeoutError(f"the job did not get back to {size} ranks after "
+                               f"{fault.describe()} at step {fault.step}")
+        time.sleep(0.1)
 
 
 def watch_exits(cluster: Cluster, observer: Observer, timeout: float) -> dict[int, float | None]:
@@ -508,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random schedule (0)")
     parser.add_argument("--schedule", default="",
                         help="STEP:KIND[:NODE],... instead of random faults")
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps of the job (400)")
+    parser.add_argument("--steps", type=int, default=2000,
+                        help="optimizer steps of the job (2000: about a minute without faults)")
     parser.add_argument("--store", choices=("external", "agent"), default="external",
                         help="who serves the rendezvous store (external)")
     parser.add_argument("--tolerance", type=float, default=0.02,
@@ -599,8 +643,11 @@ def main(argv: list[str] | None = None) -> int:
               f"{first_step['time'] - started:.1f} s after the nodes started")
         in_process = next(e for e in observer.events()
                           if e["event"] == "start")["recovery"] == "in-process"
+        settled = 0  # the step by which the last fault's recovery was over
         for fault in faults:
-            while observer.step() < fault.step and not observer.finished():
+            ready = (fault.step if fault.kind == "nan-grad"  # poisoned at that step
+                     else max(fault.step, settled + SETTLE_STEPS))
+            while observer.step() < ready and not observer.finished():
                 if time.time() > deadline:
                     raise TimeoutError(f"the job did not reach step {fault.step} in time")
                 time.sleep(0.05)
@@ -620,6 +667,8 @@ def main(argv: list[str] | None = None) -> int:
                 fault.kind in IN_PROCESS_KINDS and (fault.kind != "hang-worker"
                                                     or args.nproc_per_node == 1))
                 else "restart")
+            fault.step = max(fault.step, observer.step())
+            fault.size_before = observer.world_size()
             if not inject(fault, cluster, rng):
                 print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
                 continue
@@ -633,6 +682,9 @@ def main(argv: list[str] | None = None) -> int:
             if fault.kind == "preempt-node":
                 time.sleep(REQUEUE_DELAY_S)
                 cluster.start_node()  # requeued
+            if comes_back(fault, args.nproc_per_node) and not fault.job_done_first:
+                wait_back(fault, observer, args.nproc_per_node, deadline)
+            settled = observer.step()
         while not observer.finished() and time.time() < deadline:
             cluster.alive()
             time.sleep(0.2)

@@ -466,6 +466,30 @@ def test_at_the_end_the_exit_barrier_waits_for_a_live_node_that_asked_to_join(st
         assert time.monotonic() - c_arrived < 0.5
 
 
+def test_at_the_end_the_exit_barrier_does_not_wait_for_a_node_admitted_then_dropped(store, make):
+    """A node admitted in process and later dropped (its worker frozen: its agent lives on,
+    waiting for that worker forever) is out of the job like any dropped node: the others leave
+    the exit barrier without it, and a node that comes late counts it out of the job's size."""
+    agents_ = make("1:4", last_call_timeout=0.2, keep_alive_interval=0.1)
+    a, b, direct, job, stop = live_job(store, agents_)
+    try:
+        c = agents_()
+        assert c.next_rendezvous().rank == 2 and c.join == 0
+        direct.mark_admitted(0, c.join)  # admitted, then dropped: the job is a and b again
+        assert direct.pending_joins(0, job.nodes, set()) == []
+        d = agents_()
+        assert (d.next_rendezvous().rank, d.join) == (2, 1)
+    finally:
+        stop.set()
+    direct.publish_job(JobRecord(**{**job.__dict__, "finished": True}))
+
+    with ThreadPoolExecutor(3) as pool:  # d asked to join, not admitted: it is waited for
+        left = [pool.submit(barrier, h.exit_store, world_size=2, key_prefix="t",
+                            barrier_timeout=5) for h in (a, b, d)]
+        for f in left:
+            f.result(timeout=3)  # c lives (its keep-alive goes on) and is not waited for
+
+
 def test_the_exit_barrier_waits_for_live_agents_only_and_returns_at_once(store, make):
     """torch's own barrier function (what the agent's ``_exit_barrier`` calls) on our exit
     stores: it returns within a tenth of a second of the last live agent's arrival, waits for

@@ -292,6 +292,12 @@ def test_chaos_measures_the_others_longest_gap_and_the_time_back_at_full_size():
     chaos.measure_gaps(fault, before + shrunk + grown)
     assert round(fault.gap_s, 6) == 1.5 and round(fault.full_s, 6) == 6.0
 
+    # A node told to leave (SIGTERM) at t=9.95 leaves at the next step boundary: the step in
+    # flight completes at 4 ranks first, which is not the job back at full size.
+    preempt = chaos.Fault(step=100, kind="preempt-node", at=9.95, first_step=11.4)
+    chaos.measure_gaps(preempt, before + shrunk + grown)
+    assert round(preempt.full_s, 6) == 6.05 and round(preempt.gap_s, 6) == 1.5
+
     join = chaos.Fault(step=100, kind="join", at=10.0, first_step=16.0)
     chaos.measure_gaps(join, before + shrunk + grown)
     assert join.full_s is None  # never above 4: no join was admitted

@@ -273,10 +273,20 @@ class Roster:
 
     def pending_joins(self, round_: int, nodes: list[int], dead: set[int]) -> list[tuple[int, int]]:
         """The tickets of ``round_`` still to admit: each agent's latest (an agent that asks again
-        supersedes its earlier tickets), of agents neither in ``nodes`` nor ``dead``."""
+        supersedes its earlier tickets), of agents neither in ``nodes`` nor ``dead``, that no
+        generation admitted (a node admitted and then dropped, its worker frozen say, is out of
+        the job like any dropped node)."""
         latest = {serial: j for j, serial in self.joins(round_)}
         return sorted((j, serial) for serial, j in latest.items()
-                      if serial not in nodes and serial not in dead)
+                      if serial not in nodes and serial not in dead
+                      and not self.admitted(round_, j))
+
+    def mark_admitted(self, round_: int, j: int) -> None:
+        """Rank 0: a generation admitted ticket ``j`` of ``round_``."""
+        self.store.set(self.key(f"round/{round_}/join/{j}/admitted"), "1")
+
+    def admitted(self, round_: int, j: int) -> bool:
+        return self.store.check([self.key(f"round/{round_}/join/{j}/admitted")])
 
     def mark_ready(self, round_: int, j: int, local_rank: int) -> None:
         """A joining worker of ticket ``j`` is ready to be admitted."""
