@@ -466,28 +466,61 @@ def test_at_the_end_the_exit_barrier_waits_for_a_live_node_that_asked_to_join(st
         assert time.monotonic() - c_arrived < 0.5
 
 
-def test_at_the_end_the_exit_barrier_does_not_wait_for_a_node_admitted_then_dropped(store, make):
-    """A node admitted in process and later dropped (its worker frozen: its agent lives on,
-    waiting for that worker forever) is out of the job like any dropped node: the others leave
-    the exit barrier without it, and a node that comes late counts it out of the job's size."""
-    agents_ = make("1:4", last_call_timeout=0.2, keep_alive_interval=0.1)
+def test_a_node_admitted_counts_until_the_job_record_moves_on_then_not_if_dropped(store, make):
+    """A node admitted in process counts as the job's while the job's record is still of the
+    generation before its own (its admission ahead of the record naming it: a late node at
+    --nnodes' maximum waits); once the record is of its generation or later and does not name it
+    (dropped: its worker frozen, its agent alive, waiting for it forever), it is out of the job
+    like any dropped node: a late node takes its place, and the exit barrier does not wait for
+    it, though it waits for a live node that asked to join and was not admitted."""
+    agents_ = make("1:3", last_call_timeout=0.2, keep_alive_interval=0.1)
     a, b, direct, job, stop = live_job(store, agents_)
     try:
         c = agents_()
         assert c.next_rendezvous().rank == 2 and c.join == 0
-        direct.mark_admitted(0, c.join)  # admitted, then dropped: the job is a and b again
-        assert direct.pending_joins(0, job.nodes, set()) == []
+        direct.mark_admitted(0, c.join, launch="x", generation=1)  # the record is still at 0
+        assert direct.pending_joins(0, job.nodes, set(), job) == [(0, c.serial)]
         d = agents_()
-        assert (d.next_rendezvous().rank, d.join) == (2, 1)
+        with ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(d.next_rendezvous)
+            time.sleep(0.6)
+            assert not answer.done(), "d entered beyond --nnodes' maximum"
+            job = JobRecord(**{**job.__dict__, "generation": 2})  # c dropped in generation 2
+            direct.publish_job(job)
+            assert (answer.result(timeout=5).rank, d.join) == (2, 1)
     finally:
         stop.set()
     direct.publish_job(JobRecord(**{**job.__dict__, "finished": True}))
 
-    with ThreadPoolExecutor(3) as pool:  # d asked to join, not admitted: it is waited for
+    with ThreadPoolExecutor(3) as pool:
         left = [pool.submit(barrier, h.exit_store, world_size=2, key_prefix="t",
-                            barrier_timeout=5) for h in (a, b, d)]
+                            barrier_timeout=5) for h in (a, b)]
+        time.sleep(0.5)
+        assert not any(f.done() for f in left), "d asked to join, not admitted: waited for"
+        left.append(pool.submit(barrier, d.exit_store, world_size=2, key_prefix="t",
+                                barrier_timeout=5))
         for f in left:
             f.result(timeout=3)  # c lives (its keep-alive goes on) and is not waited for
+
+
+def test_rank_0_marks_the_joins_it_admits_for_the_agents(store):
+    """What the agents read (:meth:`Roster.admitted`) is written by rank 0's admission of a
+    grow's joins, with the launch and the generation that admits them."""
+    from types import SimpleNamespace
+
+    from elastic_mnist.resilience.admissions import Admissions
+
+    member = SimpleNamespace(env=SimpleNamespace(rank=0), store=store, launch="x",
+                             joining=True)
+    admissions = Admissions(member, Roster(store, "job"), "job", 0)
+    try:
+        admissions.admit({"generation": 3, "joins": [{"join": 0}, {"join": 2}]},
+                         SimpleNamespace(generation=4, step=7, evaluated_step=0))
+    finally:
+        admissions.close()
+    roster = Roster(store, "job")
+    assert [roster.admitted(0, j) for j in range(3)] == [
+        {"launch": "x", "generation": 4}, None, {"launch": "x", "generation": 4}]
 
 
 def test_the_exit_barrier_waits_for_live_agents_only_and_returns_at_once(store, make):

@@ -190,7 +190,8 @@ class Admissions:
                              "evaluated_step": change.evaluated_step})
         for join in decision["joins"]:
             self.member.store.set(join_key(self.round, join["join"], "admitted"), record)
-            self.records.mark_admitted(self.round, join["join"])  # for the agents
+            self.records.mark_admitted(self.round, join["join"], self.member.launch,
+                                       change.generation)  # for the agents
             self._admitted.add(join["join"])
 
     def finish(self) -> None:

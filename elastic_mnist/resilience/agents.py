@@ -562,7 +562,7 @@ class AgentsHandler(RendezvousHandler):
                             "the next round", round_, self.serial)
                 self.roster.bump_round(round_)
                 return None
-            tickets = self.roster.pending_joins(round_, job.nodes, set())
+            tickets = self.roster.pending_joins(round_, job.nodes, set(), job)
             others = [n for n in job.nodes if n != self.serial]
             dead = self.liveness.dead(others + [n for _, n in tickets])
             nodes = [n for n in others if n not in dead]
@@ -627,7 +627,7 @@ class AgentsHandler(RendezvousHandler):
         job = self.roster.job()
         if job is not None and job.round == round_ and job.in_process:  # else it names none
             nodes = job.nodes + [n for _, n in self.roster.pending_joins(round_, job.nodes,
-                                                                        set())]
+                                                                        set(), job)]
         else:
             nodes = self.roster.members(round_) or []
         return sorted(set(nodes) | {self.serial})

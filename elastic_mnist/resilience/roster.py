@@ -13,7 +13,8 @@ Every key lives under ``P = "elastic_mnist/<run_id>/rdzv/"`` on the raw store (n
 - ``P job``: the job as rank 0 publishes it (:class:`JobRecord`); ``P job/beat``: a counter rank 0
   raises while the job lives.
 - ``P round/<r>/joins`` and ``P round/<r>/join/<j>``: agents that join the live job of round r
-  (tickets, in order); ``P round/<r>/join/<j>/ready/<local_rank>``: its workers are ready.
+  (tickets, in order); ``P round/<r>/join/<j>/ready/<local_rank>``: its workers are ready;
+  ``P round/<r>/join/<j>/admitted``: the launch and generation that admit it (rank 0's).
 - ``P exit/<n>``: agent n arrived at the exit barrier (``P exit/<n>/passed``: and left it);
   ``P exitstore/<n>/...``: whatever torch's agent n keeps in its exit store;
   ``P closed``: the rendezvous is closed.
@@ -30,6 +31,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch.distributed as dist
 
@@ -271,22 +273,34 @@ class Roster:
                 found.append((j, int(serial)))
         return found
 
-    def pending_joins(self, round_: int, nodes: list[int], dead: set[int]) -> list[tuple[int, int]]:
+    def pending_joins(self, round_: int, nodes: list[int], dead: set[int],
+                      job: JobRecord | None = None) -> list[tuple[int, int]]:
         """The tickets of ``round_`` still to admit: each agent's latest (an agent that asks again
-        supersedes its earlier tickets), of agents neither in ``nodes`` nor ``dead``, that no
-        generation admitted (a node admitted and then dropped, its worker frozen say, is out of
-        the job like any dropped node)."""
+        supersedes its earlier tickets), of agents neither in ``nodes`` nor ``dead``. With the
+        job's record ``job``, a ticket a generation admitted counts no more once the record is of
+        that generation or later (the node was admitted, then dropped: a frozen worker, say);
+        until then it counts, though ``nodes`` does not name it yet."""
         latest = {serial: j for j, serial in self.joins(round_)}
         return sorted((j, serial) for serial, j in latest.items()
                       if serial not in nodes and serial not in dead
-                      and not self.admitted(round_, j))
+                      and not (job is not None and self._admitted_by(round_, j, job)))
 
-    def mark_admitted(self, round_: int, j: int) -> None:
-        """Rank 0: a generation admitted ticket ``j`` of ``round_``."""
-        self.store.set(self.key(f"round/{round_}/join/{j}/admitted"), "1")
+    def mark_admitted(self, round_: int, j: int, launch: str, generation: int) -> None:
+        """Rank 0: ticket ``j`` of ``round_`` enters the job of ``launch`` at ``generation``."""
+        self.store.set(self.key(f"round/{round_}/join/{j}/admitted"),
+                       json.dumps({"launch": launch, "generation": generation}))
 
-    def admitted(self, round_: int, j: int) -> bool:
-        return self.store.check([self.key(f"round/{round_}/join/{j}/admitted")])
+    def admitted(self, round_: int, j: int) -> dict[str, Any] | None:
+        """``{"launch", "generation"}`` that admitted ticket ``j`` of ``round_``; None: none yet."""
+        found = self._get(f"round/{round_}/join/{j}/admitted")
+        mark = None if found is None else json.loads(found)
+        return mark if isinstance(mark, dict) else None  # a mark of another shape: none
+
+    def _admitted_by(self, round_: int, j: int, job: JobRecord) -> bool:
+        """Whether ``job``'s record is of the generation that admitted ticket ``j``, or later."""
+        mark = self.admitted(round_, j)
+        return (mark is not None and mark.get("launch") == job.launch
+                and job.generation >= mark.get("generation", 0))
 
     def mark_ready(self, round_: int, j: int, local_rank: int) -> None:
         """A joining worker of ticket ``j`` is ready to be admitted."""
