@@ -129,6 +129,16 @@ class Change:
     its agent's serial)."""
 
 
+def read_present(store: dist.Store, keys: list[str]) -> dict[str, bytes]:
+    """The values of those of ``keys`` that ``store`` holds: two operations where it holds them
+    all (the usual case: one ``check`` of every key, one ``multi_get``), else a ``check`` per key
+    first (a ``multi_get`` of a missing key waits for it)."""
+    if not keys:
+        return {}
+    present = keys if store.check(keys) else [key for key in keys if store.check([key])]
+    return dict(zip(present, store.multi_get(present), strict=True)) if present else {}
+
+
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
                      pulses: Pulses, limit_s: float) -> list[int]:
     """The survivors, as the first rank to close the membership saw them: every rank that checked

@@ -65,6 +65,7 @@ from elastic_mnist.resilience.agreement import (
     Identity,
     generation_key,
     pulse_key,
+    read_present,
 )
 from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
@@ -360,13 +361,10 @@ class Membership(NullMembership):
     def identities(self, store: dist.Store | None = None) -> dict[int, Identity]:
         """Every rank's identity as it published it (read on ``store``, the main connection by
         default); a rank lost before it could is unknown."""
-        store = store or self.store
-        found = {}
-        for rank in range(self.env.world_size):
-            key = self.key(f"id/{rank}")
-            found[rank] = (Identity(**json.loads(store.get(key)))
-                           if store.check([key]) else UNKNOWN)
-        return found
+        keys = [self.key(f"id/{rank}") for rank in range(self.env.world_size)]
+        found = read_present(store or self.store, keys)
+        return {rank: Identity(**json.loads(found[key])) if key in found else UNKNOWN
+                for rank, key in enumerate(keys)}
 
     # --- a change, recovered (recovery.py) --------------------------------------------------------
 

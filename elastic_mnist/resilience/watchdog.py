@@ -297,8 +297,9 @@ class Watchdog(NullWatchdog):
     def _table(self) -> dict[int, Heartbeat] | None:
         """Every rank's heartbeat, None if the store does not answer."""
         keys = [f"{PREFIX}{rank}" for rank in range(self.env.world_size)]
-        try:
-            present = [key for key in keys if self._call(self.store.check, [key])]
+        try:  # as agreement.read_present, each call bounded: one check and one read, usually
+            present = keys if self._call(self.store.check, keys) else [
+                key for key in keys if self._call(self.store.check, [key])]
             values = self._call(self.store.multi_get, present) if present else []
         except StoreSilent:
             return None
