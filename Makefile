@@ -12,8 +12,9 @@ TRAIN_ARGS     ?=
 PORT           ?= 6006
 CHAOS_ARGS     ?=
 CHURN_ARGS     ?=
+SCALE_ARGS     ?=
 
-.PHONY: install train test test-fast test-torch211 tensorboard chaos chaos32 churn recovery-soak \
+.PHONY: install train test test-fast test-torch211 tensorboard chaos chaos32 churn scale recovery-soak \
 	lint clean bench slurm-check
 
 install: $(STAMP)
@@ -107,6 +108,11 @@ churn: $(STAMP)
 # recovery that failed and why. SOAK=kill-torchrun REPEATS=1 is a 2 × 2 smoke of it.
 SOAK    ?= kill-32
 REPEATS ?= 10
+# The coordination store's traffic, simulated for 8 to 8,000 ranks without training (docs/recovery.md,
+# "Coordination at scale"). SCALE_ARGS="--readme-section scale --json bench/scale.json" writes it.
+scale: $(STAMP)
+	$(BIN)/python scripts/scale.py $(SCALE_ARGS)
+
 recovery-soak: $(STAMP)
 	$(BIN)/python scripts/recovery.py --soak $(SOAK) --repeats $(REPEATS)
 

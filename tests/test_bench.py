@@ -301,3 +301,25 @@ def test_chaos_measures_the_others_longest_gap_and_the_time_back_at_full_size():
     join = chaos.Fault(step=100, kind="join", at=10.0, first_step=16.0)
     chaos.measure_gaps(join, before + shrunk + grown)
     assert join.full_s is None  # never above 4: no join was admitted
+
+
+def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_path):
+    """scripts/scale.py at 16 ranks (2 nodes of 8), on a real store: the steady operations it
+    counts are the model's (the periods of the job's own code), the hang is named at the
+    deadline, and the survivors agree on who is left once the lost node's pulses stood still
+    (SILENT_PULSES), within the agreement's bound."""
+    from elastic_mnist.resilience.agreement import PULSE_S, SILENT_PULSES
+
+    out = tmp_path / "scale.json"
+    result = run([sys.executable, str(REPO / "scripts" / "scale.py"), "--sizes", "16",
+                  "--steady-s", "3", "--hang-timeout", "6", "--budget-s", "20",
+                  "--capacity-s", "0.5", "--json", str(out)], env=clean_env(), timeout=120)
+    assert result.returncode == 0, result.stdout
+    report = json.loads(out.read_text())
+    [row] = report["rows"]
+    assert (row["ranks"], row["nodes"]) == (16, 2) and report["stopped"] is None
+    assert 0.8 < row["driven"] < 1.2, row  # the counted steady traffic is the model's
+    assert 6.0 <= row["hang_verdict_s"] < 6.5  # at the deadline: the probes read in time
+    # The lost node's last pulse came up to a pulse before it was lost.
+    assert (SILENT_PULSES - 1) * PULSE_S <= row["agreed_s"] < 6.0
+    assert report["capacity_ops_s"] > row["busiest_second_fault"] > 0

@@ -1,0 +1,587 @@
+#!/usr/bin/env python3
+"""Coordination at scale: the job's traffic to its one store, simulated up to 1,000 nodes × 8.
+
+    scripts/scale.py [--sizes 8,64,512,8000] [--ranks-per-node 8] [--steady-s 6]
+                     [--hang-timeout 10] [--budget-s 60] [--json bench/scale.json]
+
+Everything that keeps a job together runs through one c10d TCPStore, served by one event loop.
+This runs that traffic without training: one real TCPStore (torch's, in a process of its own,
+as ``elastic-mnist rendezvous`` serves it) and simulated nodes, spread over a few processes,
+each node on one connection of its own speaking for its ranks with the job's own code:
+
+- every rank's heartbeat is a real :class:`Watchdog`'s ``_publish`` (once a second), and its
+  hang probe the same Watchdog's ``_table``, twice, two beats apart, as ``_probe`` reads it;
+- every rank's pulse is the membership's ``add`` on its pulse key, every ``PULSE_S``;
+- each node's agent asks ``Roster.waiting`` every ``--monitor-interval`` (0.1 s, torch's
+  default) and, twice per keep-alive interval, judges the job's agents with ``Liveness.dead``
+  (the body of ``AgentsHandler.num_nodes_waiting``); it keeps alive with ``Roster.keep_alive``;
+- rank 0 beats for the job (``Roster.beat``, every admissions poll); each node's local rank 0
+  asks the fence (``CurrentGeneration.dropped``) every lease beat.
+
+Phases, for each size: a steady state (``--steady-s``); a hang (every rank's watchdog probes at
+once, as when the job stops stepping); a lost node (its pulses stop; every survivor checks in
+and agrees on who is left with ``close_membership`` and ``Pulses``, as recovery.py does, in a
+thread of its own). It prints a table (store operations and bytes a second, per rank, the
+busiest second, the time to a hang verdict, the time to an agreed membership) and writes it as
+JSON. The store's capacity is measured first, on the same machine, by as many clients as this
+simulation uses. A phase that does not finish within ``--budget-s`` stops the run at that size,
+saying so: the machine (its cores drive every simulated client) or the design (its operations
+grow faster than its ranks) cannot hold it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import multiprocessing as mp
+import os
+import resource
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import markers
+from processes import free_port
+from torch.distributed import PrefixStore, TCPStore
+
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import first_line
+from elastic_mnist.resilience.agreement import PULSE_S, Identity, Pulses, close_membership
+from elastic_mnist.resilience.current import CurrentGeneration
+from elastic_mnist.resilience.roster import Liveness, Roster
+from elastic_mnist.resilience.watchdog import BEAT_S, PROBE_BEATS, StoreSilent, Watchdog
+from elastic_mnist.stores import listening
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH = "elastic_mnist/sim/launch"
+"""The workers' prefix in the store (``elastic_mnist/<run id>/<launch>``, job.py)."""
+PROCESSES = 4
+"""Simulating processes: their threads share the machine's cores with the store."""
+MONITOR_S = 0.1
+"""torch's agent asks ``num_nodes_waiting`` every ``--monitor-interval`` (its default)."""
+KEEP_ALIVE_S = 5.0
+"""torch's default ``keep_alive_interval``, also what our agent uses."""
+LEASE_BEAT_S = 3.0
+"""A node's lease keeper asks the fence every ``--lease-timeout`` / 5 (15 s by default)."""
+ADMISSIONS_S = 0.5
+"""Rank 0's admissions poll: a beat of the job each time."""
+MAX_AGREEING = 1024
+"""Survivors whose agreement this machine runs at once, a thread each: beyond, its threads
+fight over 2 cores for minutes and time nothing but the fight (the lost node is not simulated,
+and the run stops there, saying so)."""
+OPS = ("set", "get", "add", "check", "multi_get", "multi_set", "compare_set", "wait")
+
+
+class Counting:
+    """A store that counts what passes through it: operations, and bytes of keys and values
+    each way, per second of the wall clock."""
+
+    def __init__(self, store: Any, counts: Counter, lock: threading.Lock, prefix: str = ""):
+        """``prefix``: the prefix ``store`` puts before every key, counted in its bytes."""
+        self._store, self._counts, self._lock = store, counts, lock
+        self._prefix = len(prefix) + 1 if prefix else 0
+
+    def _count(self, ops: int, nbytes: int, keys: int = 1) -> None:
+        second = int(time.time())
+        with self._lock:
+            self._counts[("ops", second)] += ops
+            self._counts[("bytes", second)] += nbytes + keys * self._prefix
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._store.set_timeout(timeout)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+        self._count(1, len(key) + len(value))
+
+    def get(self, key: str) -> bytes:
+        value = self._store.get(key)
+        self._count(1, len(key) + len(value))
+        return value
+
+    def add(self, key: str, amount: int) -> int:
+        value = self._store.add(key, amount)
+        self._count(1, len(key) + 16)
+        return value
+
+    def check(self, keys: list[str]) -> bool:
+        found = self._store.check(keys)
+        self._count(1, sum(map(len, keys)) + 1, len(keys))
+        return found
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        values = self._store.multi_get(keys)
+        self._count(1, sum(map(len, keys)) + sum(map(len, values)), len(keys))
+        return values
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self._store.multi_set(keys, values)
+        self._count(1, sum(map(len, keys)) + sum(map(len, values)), len(keys))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        value = self._store.compare_set(key, expected, desired)
+        self._count(1, len(key) + len(expected) + len(desired) + len(value))
+        return value
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
+        self._count(1, sum(map(len, keys)), len(keys))
+
+
+class SimWatchdog(Watchdog):
+    """The job's watchdog, its store calls made in the calling thread (a simulated node's),
+    not in a thread of its own per rank; a call that fails (the store answered after the 2 s the
+    watchdog gives it) is the store silent, as for the job's."""
+
+    def _call(self, method, *args):
+        try:
+            return method(*args)
+        except RuntimeError as e:  # DistStoreError: a timeout
+            raise StoreSilent from e
+
+
+class Node:
+    """A simulated node: its agent and its ranks, on one connection to the store."""
+
+    def __init__(self, serial: int, ranks: range, world: int, port: int, counts: Counter,
+                 lock: threading.Lock, host: str):
+        self.serial, self.ranks, self.world = serial, ranks, world
+        raw = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+        self.store = Counting(raw, counts, lock)  # the rendezvous records' (Roster's own keys)
+        self.job = Counting(PrefixStore(LAUNCH, raw), counts, lock, LAUNCH)  # the workers'
+        # The watchdogs' connection of their own (their calls time out after 2 s), on a
+        # generation's own prefix.
+        watch = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
+        generation = f"{LAUNCH}/g0"
+        self.generation = Counting(PrefixStore(generation, watch), counts, lock, generation)
+        self.errors: Counter = Counter()
+        """Store calls that failed (a timeout, most often), by their first line."""
+        self.roster = Roster(self.store, "sim")
+        self.liveness = Liveness(self.roster, serial, max_attempt=3)
+        self.fence = CurrentGeneration(self.job, None, "launch")
+        self.identities = {r: Identity(host, 1000 + r, 100 + serial, r - ranks.start,
+                                       nonce=f"n{r}", serial=serial) for r in ranks}
+        self.watchdogs = {r: SimWatchdog(DistEnv(rank=r, world_size=world), self.generation,
+                                         floor_s=10.0, report=lambda record: None)
+                          for r in ranks}
+        self.stopped = threading.Event()
+        """Set when the node is lost: its agent and ranks fall silent."""
+
+    def pulse_key(self, rank: int) -> str:
+        return f"pulse/{self.identities[rank].key}"
+
+    def start(self) -> None:
+        """What a node writes as it starts: its agent's keep-alive, its ranks' pulses and
+        identities, and their first heartbeats."""
+        self.roster.keep_alive(self.serial)
+        for r in self.ranks:
+            self.job.add(self.pulse_key(r), 1)
+            self.job.set(f"g0/id/{r}", json.dumps(dataclasses.asdict(self.identities[r])))
+            self.watchdogs[r]._publish()
+
+    def steady(self, until: float, stop: threading.Event) -> None:
+        """The node's periodic traffic until ``until`` (or ``stop``, or the node is lost)."""
+        periods = {"pulse": PULSE_S, "beat": BEAT_S, "monitor": MONITOR_S,
+                   "look": KEEP_ALIVE_S / 2, "keep_alive": KEEP_ALIVE_S, "fence": LEASE_BEAT_S,
+                   "admissions": ADMISSIONS_S}
+        start = time.time()  # the plan's clock: every simulating process shares it
+        due = {name: start + (self.serial % 10) * period / 10 for name, period in periods.items()}
+        job_agents = list(range(1, math.ceil(self.world / len(self.ranks)) + 1))
+        while not stop.is_set() and not self.stopped.is_set():
+            name = min(due, key=due.get)
+            wait = due[name] - time.time()
+            if wait > 0 and stop.wait(min(wait, until - time.time())):
+                return
+            if time.time() >= until or self.stopped.is_set():
+                return
+            due[name] += periods[name]
+            try:
+                self._periodic(name, job_agents)
+            except RuntimeError as e:  # DistStoreError: the store answered too late
+                self.errors[first_line(e)[:100]] += 1
+
+    def _periodic(self, name: str, job_agents: list[int]) -> None:
+        """One periodic duty of the node (:meth:`steady`)."""
+        if name == "pulse":
+            for r in self.ranks:
+                self.job.add(self.pulse_key(r), 1)
+        elif name == "beat":
+            for r in self.ranks:
+                self.watchdogs[r]._publish()
+        elif name == "monitor":
+            self.roster.waiting(0)
+        elif name == "look":
+            self.liveness.dead(job_agents)
+        elif name == "keep_alive":
+            self.roster.keep_alive(self.serial)
+        elif name == "fence":
+            self.fence.dropped(0, self.ranks.start, self.identities[self.ranks.start].key)
+        elif name == "admissions" and self.ranks.start == 0:
+            self.roster.beat()
+
+    def probe(self, stop: threading.Event) -> float | None:
+        """Every rank's watchdog probe (two tables, two beats apart): when the last is read
+        (None: stopped first, past the phase's budget)."""
+        for table in range(2):
+            if table:
+                time.sleep(PROBE_BEATS * BEAT_S)
+            for r in self.ranks:
+                # None: the store did not answer within the watchdog's 2 s (a false verdict)
+                if stop.is_set() or self.watchdogs[r]._table() is None:
+                    return None
+        return time.time()
+
+    def agree(self, rank: int, world: int, limit_s: float, keys: dict[int, str]) -> float:
+        """One survivor's agreement, as recovery.py makes it: it checks in, reads who is there by
+        their pulses, and closes (or reads) the membership. When it has it."""
+        try:
+            self.job.set(f"g0/in/{rank}", json.dumps({"step": 1, "mid_step": False,
+                                                      "evaluated_step": 0}))
+            self.job.add("g0/arrivals", 1)
+            pulses = Pulses(self.job, keys, self.pulse_key(rank))
+            close_membership(self.job, "g0/", set(range(world)), [], pulses, limit_s)
+        except RuntimeError as e:
+            self.errors[first_line(e)[:100]] += 1
+            return None
+        return time.time()
+
+
+def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
+             barrier: Any, out: Any) -> None:
+    """One simulating process: its share of the nodes through every phase, in step with the
+    others (``barrier``); what it counted and measured goes back on ``out``."""
+    counts: Counter = Counter()
+    lock = threading.Lock()
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a connection per node
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    nodes = [Node(serial, ranks, world, port, counts, lock, f"node{serial}")
+             for serial, ranks in share]
+    for node in nodes:
+        node.start()
+    result: dict[str, Any] = {}
+    stop = threading.Event()
+
+    def run_all(target, args_of) -> tuple[list[threading.Thread], list[Any]]:
+        found: list[Any] = []
+
+        def call(node: Node, args: tuple) -> None:
+            try:
+                found.append(target(node, *args))
+            except RuntimeError as e:  # a store call that timed out: no result
+                node.errors[first_line(e)[:100]] += 1
+                found.append(None)
+
+        threads = [threading.Thread(target=call, args=(n, a), daemon=True)
+                   for n in nodes for a in args_of(n)]
+        for t in threads:
+            t.start()
+        return threads, found
+
+    def steady_until(t: float) -> list[threading.Thread]:
+        threads, _ = run_all(Node.steady, lambda n: [(t, stop)])
+        return threads
+
+    # Steady state.
+    barrier.wait()
+    result["steady_from"] = time.time()
+    for t in steady_until(result["steady_from"] + plan["steady_s"]):
+        t.join()
+    result["steady_to"] = time.time()
+    # A hang: the watchdogs probe while the heartbeats and pulses go on.
+    barrier.wait()
+    result["hang_from"] = time.time()
+    deadline = result["hang_from"] + plan["budget_s"]
+    background = steady_until(deadline)
+    threads, probed = run_all(lambda n: n.probe(stop), lambda n: [()])
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    stop.set()
+    for t in threads:
+        t.join()
+    result["probed"] = (None if None in probed or len(probed) < len(threads)
+                        else max(probed, default=-math.inf))
+    for t in background:
+        t.join()
+    # A lost node: the last one's pulses stop; every other rank agrees on who is left (where
+    # there is another node).
+    stop.clear()
+    barrier.wait()
+    if plan["lost_node"] is None:
+        result["lost_from"] = result["end"] = time.time()
+        result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
+        result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
+        out.send(result)
+        return
+    result["lost_from"] = time.time()
+    deadline = result["lost_from"] + plan["budget_s"]
+    lost = plan["lost_node"]
+    for node in nodes:
+        if node.serial == lost:
+            node.stopped.set()
+    background = steady_until(deadline)
+    keys = {r: f"pulse/node{serial}/{1000 + r}/n{r}" for serial, ranks in plan["nodes"]
+            for r in ranks}
+    threads, agreed = run_all(
+        lambda n, r: n.agree(r, world, plan["limit_s"], keys),
+        lambda n: [] if n.serial == lost else [(r,) for r in n.ranks])
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    # -inf: this process simulates no survivor (the lost node alone).
+    result["agreed"] = (max(agreed, default=-math.inf)
+                        if len(agreed) == len(threads) and None not in agreed else None)
+    stop.set()
+    for t in background:
+        t.join()
+    result["end"] = time.time()
+    result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
+    result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
+    out.send(result)
+
+
+def receive(pipe: Any, proc: mp.Process) -> Any:
+    """What ``proc`` sends on ``pipe``; SystemExit if it dies first."""
+    while not pipe.poll(1.0):
+        if not proc.is_alive():
+            raise SystemExit(f"scale: a simulating process failed (exit {proc.exitcode})")
+    return pipe.recv()
+
+
+def serve(port: int) -> subprocess.Popen:
+    """The store, in a process of its own, as ``elastic-mnist rendezvous`` serves it."""
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "rendezvous", "--host",
+                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 60
+    while not listening("127.0.0.1", port, timeout_s=1):
+        if time.time() > deadline or proc.poll() is not None:
+            proc.kill()
+            raise SystemExit(f"scale: the store did not start on port {port}")
+        time.sleep(0.1)
+    return proc
+
+
+def hammer(port: int, seconds: float, out: Any) -> None:
+    """One client's fastest stream of ``add``s on its own key (a pulse)."""
+    store = TCPStore("127.0.0.1", port, is_master=False)
+    done, end = 0, time.time() + seconds
+    while time.time() < end:
+        for _ in range(100):
+            store.add(f"capacity/{os.getpid()}", 1)
+        done += 100
+    out.send(done)
+
+
+def capacity(port: int, clients: int, seconds: float = 3.0) -> float:
+    """The store's operations a second, as ``clients`` processes on this machine drive it."""
+    pipes = [mp.Pipe(duplex=False) for _ in range(clients)]
+    procs = [mp.Process(target=hammer, args=(port, seconds, w)) for _, w in pipes]
+    for p in procs:
+        p.start()
+    total = sum(r.recv() for r, _ in pipes)
+    for p in procs:
+        p.join()
+    return total / seconds
+
+
+def model(ranks: int, per_node: int) -> dict[str, float]:
+    """The steady operations a second that each component asks of the store, as the periods
+    above make them: what the simulation should count where the machine drives it all."""
+    nodes = math.ceil(ranks / per_node)
+    return {"pulses": ranks / PULSE_S, "heartbeats": ranks / BEAT_S,
+            "agents' polls": nodes / MONITOR_S,
+            "agents' looks": 2 * nodes / (KEEP_ALIVE_S / 2),  # Liveness.dead: an add, a multi_get
+            "keep-alives": nodes / KEEP_ALIVE_S, "fence": nodes / LEASE_BEAT_S,
+            "job's beat": 1 / ADMISSIONS_S}
+
+
+def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, budget_s: float,
+            cap: float) -> dict[str, Any]:
+    """One size through its three phases, on a store of its own."""
+    port = free_port()
+    server = serve(port)
+    try:
+        nodes = [(serial, range(start, min(start + per_node, ranks)))
+                 for serial, start in enumerate(range(0, ranks, per_node), start=1)]
+        shares = [nodes[i::PROCESSES] for i in range(min(PROCESSES, len(nodes)))]
+        # One node: nobody to go on; too many survivors for this machine: not simulated.
+        lost = nodes[-1][0] if 1 < len(nodes) and ranks - per_node <= MAX_AGREEING else None
+        plan = {"steady_s": steady_s, "budget_s": budget_s, "lost_node": lost,
+                "nodes": nodes, "limit_s": hang_timeout}
+        pipes = [mp.Pipe(duplex=False) for _ in shares]
+        barrier = mp.Barrier(len(shares))
+        procs = [mp.Process(target=simulate, args=(share, ranks, port, plan, barrier, w))
+                 for share, (_, w) in zip(shares, pipes, strict=True)]
+        for p in procs:
+            p.start()
+        results = [receive(r, p) for (r, _), p in zip(pipes, procs, strict=True)]
+        for p in procs:
+            p.join()
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    counts: Counter = Counter()
+    for result in results:
+        for kind, second, n in result["counts"]:
+            counts[(kind, second)] += n
+
+    def window(kind: str, start: float, end: float) -> list[int]:
+        return [counts[(kind, s)] for s in range(int(start), int(end))]
+
+    def when(name: str) -> float:
+        return max(r[name] for r in results)  # the phase began in every process by then
+
+    steady = window("ops", when("steady_from") + 1, min(r["steady_to"] for r in results))
+    steady_bytes = window("bytes", when("steady_from") + 1, min(r["steady_to"] for r in results))
+    fault = window("ops", min(r["hang_from"] for r in results), when("end"))
+    probed = [r["probed"] for r in results]
+    agreed = [r.get("agreed") for r in results]
+    ops_s = sum(steady) / max(len(steady), 1)
+    demanded = sum(model(ranks, per_node).values())
+    return {
+        "ranks": ranks, "nodes": len(nodes), "ranks_per_node": per_node,
+        "model_ops_s": demanded, "driven": ops_s / demanded,
+        "steady_ops_s": ops_s, "steady_ops_s_per_rank": ops_s / ranks,
+        "steady_bytes_s": sum(steady_bytes) / max(len(steady_bytes), 1),
+        "busiest_second_steady": max(steady, default=0),
+        "busiest_second_fault": max(fault, default=0),
+        "busiest_fraction_of_capacity": max([*steady, *fault], default=0) / cap,
+        # The probe starts two beats before the deadline (Watchdog._probe_due): the verdict is
+        # at the deadline, or when the slowest probe has read its second table, if later.
+        "hang_verdict_s": None if None in probed else max(
+            hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + max(probed) - when("hang_from")),
+        "agreed_s": None if lost is None or None in agreed else max(agreed) - when("lost_from"),
+        "store_errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
+    }
+
+
+def table(rows: list[dict[str, Any]], cap: float) -> str:
+    def num(v: float | None, fmt: str = ".1f") -> str:
+        return "—" if v is None else format(v, fmt)
+
+    lines = [("| ranks (nodes) | store ops/s (model) | per rank | bytes/s | busiest second: "
+              "steady, fault (share of capacity) | hang verdict (s) | agreed membership (s) |"),
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(
+            f"| {r['ranks']} ({r['nodes']}) | {r['steady_ops_s']:,.0f} "
+            f"({r['model_ops_s']:,.0f}) | "
+            f"{r['steady_ops_s_per_rank']:.1f} | {r['steady_bytes_s'] / 1e6:.2f} MB | "
+            f"{r['busiest_second_steady']:,}, {r['busiest_second_fault']:,} "
+            f"({r['busiest_fraction_of_capacity']:.0%}) | {num(r['hang_verdict_s'])} | "
+            f"{num(r['agreed_s'])} |")
+    lines.append(f"\nThe store's capacity here: {cap:,.0f} operations a second "
+                 f"({PROCESSES} client processes). The model's figure is what the job's periods "
+                 "ask for; where the count falls short of it, this machine's cores could not "
+                 "drive every simulated rank.")
+    for r in rows:
+        if r["store_errors"]:
+            lines.append(f"At {r['ranks']} ranks, {sum(r['store_errors'].values()):,} store "
+                         f"calls failed, e.g. \"{next(iter(r['store_errors']))}\".")
+    return "\n".join(lines)
+
+
+def why_stopped(row: dict[str, Any], budget_s: float) -> list[str]:
+    """Why a size's row ends the run (nothing: it does not)."""
+    reasons = []
+    if row["hang_verdict_s"] is None:
+        reasons.append(f"the hang's probes did not finish within {budget_s:g} s on this machine, "
+                       "or a store call in them timed out")
+    survivors = row["ranks"] - row["ranks_per_node"]
+    if row["nodes"] > 1 and survivors > MAX_AGREEING:
+        reasons.append(f"the lost node was not simulated: {survivors:,} survivors agreeing, a "
+                       f"thread each, are more than this machine runs at once ({MAX_AGREEING:,})")
+    elif row["nodes"] > 1 and row["agreed_s"] is None:
+        reasons.append(f"the agreement did not finish within {budget_s:g} s, or a store call in "
+                       "it timed out")
+    return reasons
+
+
+def exponent(rows: list[dict[str, Any]], lo: int, hi: int,
+             field: str = "steady_ops_s") -> float | None:
+    """The growth exponent of the steady operations a second (``field``: as counted, or as the
+    model says) from ``lo`` to ``hi`` ranks."""
+    by = {r["ranks"]: r[field] for r in rows}
+    if lo not in by or hi not in by or by[lo] <= 0:
+        return None
+    return math.log(by[hi] / by[lo]) / math.log(hi / lo)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="8,64,512,8000",
+                        help="simulated ranks, comma-separated (8,64,512,8000)")
+    parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (8)")
+    parser.add_argument("--steady-s", type=float, default=6.0,
+                        help="seconds of steady state measured (6)")
+    parser.add_argument("--hang-timeout", type=float, default=10.0,
+                        help="the job's --hang-timeout (10): the hang's deadline, and the "
+                             "agreement's bound")
+    parser.add_argument("--budget-s", type=float, default=60.0,
+                        help="seconds a phase may take before the run stops at its size (60)")
+    parser.add_argument("--capacity-s", type=float, default=3.0,
+                        help="seconds the store's capacity is measured for (3)")
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    parser.add_argument("--readme-section", default=None, metavar="NAME",
+                        help="write the table between the <!-- NAME:begin --> and "
+                             "<!-- NAME:end --> markers of the README or the docs/ page that "
+                             "has them")
+    args = parser.parse_args(argv)
+    if args.readme_section and markers.holder(args.readme_section) is None:
+        parser.error(f"neither README.md nor docs/ has a {markers.markers(args.readme_section)[0]} "
+                     "marker")
+    try:
+        sizes = sorted({int(s) for s in args.sizes.split(",")})
+    except ValueError:
+        parser.error(f"--sizes must be whole numbers, comma-separated: {args.sizes!r}")
+    if not sizes or sizes[0] < 1 or args.ranks_per_node < 1:
+        parser.error("--sizes and --ranks-per-node must be positive")
+
+    port = free_port()
+    server = serve(port)
+    try:
+        cap = capacity(port, PROCESSES, args.capacity_s)
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    print(f"scale: the store answers {cap:,.0f} operations a second here ({PROCESSES} clients)")
+    rows, stopped = [], None
+    for ranks in sizes:
+        print(f"scale: {ranks} ranks ...", flush=True)
+        row = measure(ranks, args.ranks_per_node, args.steady_s, args.hang_timeout,
+                      args.budget_s, cap)
+        rows.append(row)
+        reasons = why_stopped(row, args.budget_s)
+        if reasons:
+            stopped = f"stopped at {ranks} ranks: " + "; ".join(reasons)
+            break
+    growth, modelled = exponent(rows, 64, 8000), exponent(rows, 64, 8000, "model_ops_s")
+    summary = [table(rows, cap)]
+    if growth is not None:
+        summary.append(f"Growth exponent of the store's operations a second, 64 → 8000 ranks: "
+                       f"{growth:.2f} as counted, {modelled:.2f} as the model says (where the "
+                       "count fell short of the model, the machine drove less than the job asks).")
+    if stopped:
+        summary.append(f"The run {stopped}.")
+    summary.append(f"On {os.cpu_count()} cores; `make scale`.")
+    print("\n".join(summary))
+    if args.readme_section:
+        markers.rewrite(args.readme_section, "\n\n".join(summary))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"capacity_ops_s": cap, "rows": rows,
+                                         "exponent_64_8000": growth,
+                                         "model_exponent_64_8000": modelled, "stopped": stopped,
+                                         "hang_timeout_s": args.hang_timeout,
+                                         "cpu_count": os.cpu_count()}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
