@@ -323,3 +323,11 @@ def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_p
     # The lost node's last pulse came up to a pulse before it was lost.
     assert (SILENT_PULSES - 1) * PULSE_S <= row["agreed_s"] < 6.0
     assert report["capacity_ops_s"] > row["busiest_second_fault"] > 0
+
+
+def test_scale_refuses_bad_sizes_in_one_line():
+    result = run([sys.executable, str(REPO / "scripts" / "scale.py"), "--sizes", "8,lots"],
+                 env=clean_env(), timeout=60)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("scale.py: error")]
+    assert result.returncode == 2 and lines == [
+        "scale.py: error: --sizes must be whole numbers, comma-separated: '8,lots'"], result.stdout
