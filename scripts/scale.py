@@ -53,7 +53,13 @@ from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import first_line
-from elastic_mnist.resilience.agreement import PULSE_S, Identity, Pulses, close_membership
+from elastic_mnist.resilience.agreement import (
+    PULSE_S,
+    Identity,
+    Pulses,
+    check_in,
+    close_membership,
+)
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.roster import Liveness, Roster
 from elastic_mnist.resilience.watchdog import BEAT_S, PROBE_BEATS, StoreSilent, Watchdog
@@ -242,9 +248,8 @@ class Node:
         """One survivor's agreement, as recovery.py makes it: it checks in, reads who is there by
         their pulses, and closes (or reads) the membership. When it has it."""
         try:
-            self.job.set(f"g0/in/{rank}", json.dumps({"step": 1, "mid_step": False,
-                                                      "evaluated_step": 0}))
-            self.job.add("g0/arrivals", 1)
+            check_in(self.job, "g0/", rank, json.dumps({"step": 1, "mid_step": False,
+                                                        "evaluated_step": 0}))
             pulses = Pulses(self.job, keys, self.pulse_key(rank))
             close_membership(self.job, "g0/", set(range(world)), [], pulses, limit_s)
         except RuntimeError as e:

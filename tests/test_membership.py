@@ -39,6 +39,7 @@ from elastic_mnist.resilience.agreement import (
     successor_env,
     whole_nodes,
 )
+from elastic_mnist.resilience.agreement import check_in as survivor_checks_in
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 from elastic_mnist.resilience.lease import LeaseKeeper
 from elastic_mnist.resilience.lease_record import JobIdentity, read_lease
@@ -81,8 +82,7 @@ def members(store):
 
 
 def check_in(store, rank: int) -> None:
-    store.set(f"g0/in/{rank}", "{}")
-    store.add("g0/arrivals", 1)
+    survivor_checks_in(store, "g0/", rank, "{}")
 
 
 @pytest.fixture
@@ -163,6 +163,38 @@ def test_a_live_rank_that_never_comes_is_left_out_at_the_limit(store, pulses):
     members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
                                pulses=pulses(0, 1), limit_s=1.5)
     assert members == [0] and 1.5 <= time.monotonic() - start < 4
+
+
+def test_an_arrival_lost_before_it_named_itself_hides_none_after_it(store, pulses):
+    """Rank 1 counts itself among the arrivals and is lost before it writes its name: the
+    ranks that come after it are read all the same (its pulse stops: it is left out), and the
+    one that comes late, while the others already look, is read at its arrival."""
+    check_in(store, 0)
+    store.set("g0/in/1", "{}")
+    store.add("g0/arrivals", 1)  # rank 1's count, never its name
+    check_in(store, 2)
+    late = threading.Timer(0.3, check_in, (store.clone(), 3))
+    late.start()
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[],
+                               pulses=pulses(0, 2, 3), limit_s=30)
+    late.join()
+    assert members == [0, 2, 3] and time.monotonic() - start < 5  # 1's silence, not the limit
+
+
+def test_an_arrival_that_names_itself_late_is_read_when_it_does(store, pulses):
+    """Rank 1 counts itself among the arrivals and, starved of CPU, writes its name only later:
+    its pulse moves, so the others wait for it, and read it at its name, not at the limit."""
+    check_in(store, 0)
+    store.set("g0/in/1", "{}")
+    store.add("g0/arrivals", 1)  # rank 1's count; its name comes 0.5 s later
+    named = threading.Timer(0.5, store.clone().set, ("g0/arrived/1", "1"))
+    named.start()
+    start = time.monotonic()
+    members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
+                               pulses=pulses(0, 1), limit_s=30)
+    named.join()
+    assert members == [0, 1] and time.monotonic() - start < 5
 
 
 def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store, pulses):

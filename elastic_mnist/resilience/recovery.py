@@ -48,14 +48,15 @@ from elastic_mnist.errors import (
 )
 from elastic_mnist.resilience.agreement import (
     NO_STATE,
-    PULSE_S,
     Change,
     Identity,
     Position,
     Pulses,
+    check_in,
     close_membership,
     grown,
     pulse_key,
+    read_pulses_s,
     successor_env,
     whole_nodes,
 )
@@ -109,8 +110,7 @@ class Recovery:
             fault = m.declare(why, list(suspects), detail)
             m.abort(fault)
             m.inject(self.phase)
-            m.store.set(m.key(f"in/{m.env.rank}"), json.dumps(asdict(position)))
-            m.store.add(m.key("arrivals"), 1)
+            check_in(m.store, m.key(""), m.env.rank, json.dumps(asdict(position)))
             m.inject("checked in")
             identities = m.identities()
             pulses = Pulses(m.store, {r: pulse_key(i) for r, i in identities.items()},
@@ -296,7 +296,7 @@ class Recovery:
         guarded.add_done_callback(lambda _: finished.set())
         members = self._pulse_keys
         pulses = Pulses(m.store, members, m.pulse_key) if members else None
-        while not finished.wait(PULSE_S):
+        while not finished.wait(read_pulses_s(len(members or {}))):
             try:
                 silent = pulses.silent() - {m.env.rank} if pulses is not None else set()
                 if silent:
