@@ -151,7 +151,10 @@ def test_nodes_lost_in_every_phase_of_the_recovery_cost_seconds_in_process(tmp_p
     (shrink,) = records(work, "shrink")
     assert (shrink["lost_ranks"], shrink["old_world_size"], shrink["new_world_size"]) == \
         ([0, 1, 2, 4], 5, 1)
-    assert shrink["step"] == 7
+    # The agreed step is the last survivor's: 7, or 6 where it noticed the first loss before
+    # its step 7 completed (rank 4 dies as step 8 begins, and a ring's last chunk may still be
+    # on its way) and the rank that held step 7 (0) was lost as it handed it over.
+    assert shrink["step"] in (6, 7)
     # The busy rank was waited for; each later loss cost a pulse's silence (about 1.5 s), not
     # a bound: at most 2 s a loss.
     assert BUSY_S < shrink["detection_to_step_s"] < BUSY_S + 2 * 2 + 1, shrink
