@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -143,14 +144,18 @@ class Change:
     its agent's serial)."""
 
 
-def read_present(store: dist.Store, keys: list[str]) -> dict[str, bytes]:
+def read_present(store: dist.Store, keys: list[str],
+                 call: Callable[..., Any] = lambda method, *args: method(*args)
+                 ) -> dict[str, bytes]:
     """The values of those of ``keys`` that ``store`` holds: two operations where it holds them
     all (the usual case: one ``check`` of every key, one ``multi_get``), else a ``check`` per key
-    first (a ``multi_get`` of a missing key waits for it)."""
+    first (a ``multi_get`` of a missing key waits for it). Each operation is made as
+    ``call(method, *args)`` (the watchdog's bounds each)."""
     if not keys:
         return {}
-    present = keys if store.check(keys) else [key for key in keys if store.check([key])]
-    return dict(zip(present, store.multi_get(present), strict=True)) if present else {}
+    present = keys if call(store.check, keys) else [key for key in keys
+                                                    if call(store.check, [key])]
+    return dict(zip(present, call(store.multi_get, present), strict=True)) if present else {}
 
 
 def look_s(world_size: int) -> float:

@@ -59,6 +59,7 @@ from torch.distributed import Store
 from elastic_mnist.distributed import end_process
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_HUNG, CannotTell
+from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
 
 log = logging.getLogger(__name__)
@@ -297,10 +298,8 @@ class Watchdog(NullWatchdog):
     def _table(self) -> dict[int, Heartbeat] | None:
         """Every rank's heartbeat, None if the store does not answer."""
         keys = [f"{PREFIX}{rank}" for rank in range(self.env.world_size)]
-        try:  # as agreement.read_present, each call bounded: one check and one read, usually
-            present = keys if self._call(self.store.check, keys) else [
-                key for key in keys if self._call(self.store.check, [key])]
-            values = self._call(self.store.multi_get, present) if present else []
+        try:
+            values = read_present(self.store, keys, self._call).values()
         except StoreSilent:
             return None
         return {beat.rank: beat for beat in (Heartbeat(**json.loads(v)) for v in values)}
