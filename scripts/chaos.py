@@ -119,6 +119,12 @@ class Fault:
     size_before: int | None = None
     """The job's world size at its last step before the fault."""
 
+    def back_since(self) -> float | None:
+        """From when a step at full size counts as the job back: after a departure, from the
+        job's first step without the node (a step in flight as it was told to leave completes at
+        the old size first); after a join, from the join."""
+        return self.at if self.kind == "join" else self.first_step
+
     def describe(self) -> str:
         return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
 
@@ -363,9 +369,7 @@ def measure_gaps(fault: Fault, records: list[dict]) -> None:
     if not before or fault.first_step is None:
         return
     size = before[-1] + (1 if fault.kind == "join" else 0)
-    # After a departure, full size counts from the job's first step without the node: a step
-    # in flight as it was told to leave completes at the old size first.
-    since = fault.at if fault.kind == "join" else fault.first_step
+    since = fault.back_since()
     full = next((t for t, w in steps if t > fault.at and t >= since and w >= size), None)
     fault.full_s = None if full is None else full - fault.at
     # Without a return to full size: until the first step completed (by its last rank) after
@@ -450,9 +454,8 @@ def wait_back(fault: Fault, observer: Observer, nproc_per_node: int, deadline: f
     if fault.size_before is None or fault.first_step is None:
         return
     size = fault.size_before + (nproc_per_node if fault.kind == "join" else 0)
-    since = fault.at if fault.kind == "join" else fault.first_step  # see measure_gaps
     while not observer.finished():
-        back = observer.world_size(since=since)
+        back = observer.world_size(since=fault.back_since())
         if back is not None and back >= size:
             return
         if time.time() > deadline:
