@@ -306,7 +306,7 @@ def test_chaos_measures_the_others_longest_gap_and_the_time_back_at_full_size():
 def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_path):
     """scripts/scale.py at 16 ranks (2 nodes of 8), on a real store: the steady operations it
     counts are the model's (the periods of the job's own code), the hang is named at the
-    deadline, and the survivors agree on who is left once the lost node's pulses stood still
+    deadline and found by every rank within a beat, and the survivors agree on who is left once the lost node's pulses stood still
     (SILENT_PULSES), within the agreement's bound."""
     from elastic_mnist.resilience.agreement import PULSE_S, SILENT_PULSES
 
@@ -319,7 +319,8 @@ def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_p
     [row] = report["rows"]
     assert (row["ranks"], row["nodes"]) == (16, 2) and report["stopped"] is None
     assert 0.8 < row["driven"] < 1.2, row  # the counted steady traffic is the model's
-    assert 6.0 <= row["hang_verdict_s"] < 6.5  # at the deadline: the probes read in time
+    # At the deadline the probers declare, and every other rank finds it within a beat.
+    assert 6.0 <= row["hang_verdict_s"] < 7.5
     # The lost node's last pulse came up to a pulse before it was lost.
     assert (SILENT_PULSES - 1) * PULSE_S <= row["agreed_s"] < 6.0
     assert report["capacity_ops_s"] > row["busiest_second_fault"] > 0

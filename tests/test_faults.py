@@ -387,6 +387,49 @@ class GoneStore:
         return fail
 
 
+def test_only_the_first_and_last_ranks_probe_and_the_others_follow_their_verdict():
+    """Of 5 ranks, 0 and 4 read the heartbeats. Rank 2, past its deadline, looks for their
+    verdict: it waits while they beat on and nothing is declared, takes the verdict once
+    declared (no table read of its own), and reads the heartbeats itself only when a prober's
+    heartbeat stood still between two of its reads (the probers lost with the hang)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    from elastic_mnist.env import DistEnv
+
+    assert watchdog.probers(5) == [0, 4] and watchdog.probers(2) == [0, 1]
+    store = TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False,
+                     timeout=datetime.timedelta(seconds=5))
+    dogs = {r: watchdog.Watchdog(DistEnv(rank=r, world_size=5, launched=True), store.clone(),
+                                 floor_s=10, report=lambda record: None, beat_s=0.05)
+            for r in range(5)}
+    try:
+        assert [r for r, dog in dogs.items() if dog.prober] == [0, 4]
+        for dog in dogs.values():
+            dog._publish()
+        follower = dogs[2]
+        assert follower._probers_verdict() == "wait"  # before its deadline: nothing asked
+        follower.last_progress -= 11  # no step for 11 s: past the deadline
+        reads = []
+        follower._table = lambda: reads.append(1)  # a follower reads no table
+        follower.beats = 0  # an even beat: it reads the probers' heartbeats
+        assert follower._probers_verdict() == "wait"  # first read: nothing to compare yet
+        for r in (0, 4):
+            dogs[r]._publish()  # the probers beat on
+        assert follower._probers_verdict() == "wait"
+        dogs[0]._publish()  # rank 4 stood still: lost, or frozen, with the hang
+        assert follower._probers_verdict() == "probe"
+        record = {"rank": 3, "ranks": [3], "last_step": 7, "reported_by": 0, "reason": "r",
+                  "silent": {}}
+        assert dogs[0]._claim(record)
+        follower.beats = 1  # every beat, it looks for the verdict
+        assert follower._probers_verdict() == record and reads == []
+    finally:
+        for dog in dogs.values():
+            dog.close()
+
+
 def verdict_with(peer_busy: str, peer_beating: bool, peer_waiting: bool = True,
                  rank0_waits: bool = True, store_gone: bool = False):
     """Rank 0's watchdog's verdict, rank 1 as ``Peer`` says; rank 0's own training thread is a

@@ -17,8 +17,17 @@ deadline:
   stands) is hung: a deadlock, a read that never returns, a GPU that never finishes. Its own
   watchdog sees the same and leaves too.
 
+Two ranks read the heartbeats: the *probers*, the first rank and the last (every rank knows them
+from the world's size alone), on two nodes wherever the job has two, so that one node's fault
+never silences both. Every other
+rank, once its own deadline has passed, looks for their verdict every beat: two
+reads of every heartbeat by every rank were the job's quadratic traffic (at 8,000 ranks, more
+than the store answers in the watchdog's 2 s). A rank that finds the probers' own heartbeats
+standing still, or the store silent, reads the heartbeats itself, as a prober does.
+
 Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl
-and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM).
+and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM);
+each rank that finds the verdict kills those of its own node.
 Where the survivors can go on in process (membership.py), it hands them the hung ranks' names and
 they go on without them; otherwise it exits with EXIT_HUNG, the others follow as their
 collectives fail, and the agents restart the group from the last checkpoint. A verdict is first
@@ -125,6 +134,12 @@ class Verdict:
     heartbeats: dict[int, Heartbeat]
 
 
+def probers(world_size: int) -> list[int]:
+    """The ranks that read the heartbeats: the first and the last, on the first node and the
+    last (ranks are numbered node by node), wherever the job has two."""
+    return sorted({0, world_size - 1})
+
+
 class NullWatchdog:
     """No watchdog: one process, or ``--hang-timeout 0``."""
 
@@ -179,6 +194,9 @@ class Watchdog(NullWatchdog):
         """How many :meth:`waiting` blocks the training thread is in (they nest)."""
         self.last_progress = time.monotonic()
         self.beats = 0
+        self.prober = env.rank in probers(env.world_size)
+        self.prober_beats: dict[int, int] | None = None
+        """The probers' beats at this rank's last look for their verdict."""
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
         self.training_thread = threading.get_ident()  # the one that builds the watchdog
         self._stop = threading.Event()
@@ -196,7 +214,7 @@ class Watchdog(NullWatchdog):
         if self.armed:
             self.recent.append(seconds)
         else:  # the first step (compiling, warming up) is no measure of the others
-            self.peers = self._table() or {}
+            self.peers = (self._table() or {}) if self.prober else {}
             self.armed = True
 
     @contextlib.contextmanager
@@ -271,6 +289,13 @@ class Watchdog(NullWatchdog):
             self._publish()
             if not self._probe_due():
                 continue
+            if not self.prober:
+                found = self._probers_verdict()
+                if found == "wait":
+                    continue
+                if found != "probe":  # the probers' verdict: this rank follows it
+                    self._follow(found)
+                    return
             verdict = self._probe()
             if verdict is None:  # a peer is busy, or steps moved meanwhile: a fresh deadline
                 self.last_progress = time.monotonic()
@@ -279,6 +304,50 @@ class Watchdog(NullWatchdog):
             time.sleep(max(0.0, self.deadline_s() - (time.monotonic() - self.last_progress)))
             if self.step == step and not self.busy_with and not self._stop.is_set():
                 self._declare(verdict)  # at the deadline, not before
+
+    def _probers_verdict(self) -> dict[str, Any] | str:
+        """A rank that does not probe, past its deadline: the probers' verdict, once declared
+        (looked for every beat); ``wait`` while the probers beat on and nothing is declared yet;
+        ``probe`` when this rank must read the heartbeats itself: a prober's heartbeat stood
+        still between two reads of them (every PROBE_BEATS beats), or the store does not
+        answer."""
+        if time.monotonic() - self.last_progress < self.deadline_s():
+            return "wait"
+        try:
+            if self._call(self.store.check, [DECLARED]):
+                return json.loads(self._call(self.store.get, DECLARED))
+            if self.beats % PROBE_BEATS:
+                return "wait"
+            keys = [f"{PREFIX}{rank}" for rank in probers(self.env.world_size)]
+            beats = {Heartbeat(**json.loads(v)).rank: Heartbeat(**json.loads(v)).beat
+                     for v in read_present(self.store, keys, self._call).values()}
+        except StoreSilent:
+            return "probe"
+        last, self.prober_beats = self.prober_beats, beats
+        if last is None:
+            return "wait"
+        stood = [rank for rank in probers(self.env.world_size)
+                 if beats.get(rank) == last.get(rank)]
+        return "probe" if stood else "wait"
+
+    def _follow(self, record: dict[str, Any]) -> None:
+        """The probers' verdict, found by a rank that does not probe: it kills the stopped
+        workers of its own node that the verdict names; then, where the survivors go on in
+        process, the membership (woken by the declaration) takes it from there; else it leaves
+        as the probers do. A process the job no longer holds leaves at the fence instead."""
+        if self._fenced():
+            return
+        suspects = record.get("ranks") or []
+        log.error("hang: rank %s found rank(s) %s hung after step %s (%s)",
+                  record.get("reported_by"), ", ".join(map(str, suspects)) or "unknown",
+                  record.get("last_step"), record.get("reason"))
+        silent = {int(rank): Heartbeat(**beat) for rank, beat in record.get("silent", {}).items()}
+        self._kill_stopped_siblings(Verdict(suspects, list(silent), record.get("reason", ""),
+                                            silent))
+        if self.go_on_without is not None and suspects and self.env.rank not in suspects:
+            self.close(wait=False)
+            return
+        self._exit()
 
     def _publish(self) -> None:
         self.beats += 1
@@ -358,7 +427,11 @@ class Watchdog(NullWatchdog):
         record = {"rank": verdict.suspects[0] if verdict.suspects else None,
                   "ranks": verdict.suspects, "last_step": self.step,
                   "reported_by": self.env.rank, "reason": verdict.reason,
-                  "waited_s": round(waited, 2), "deadline_s": round(self.deadline_s(), 2)}
+                  "waited_s": round(waited, 2), "deadline_s": round(self.deadline_s(), 2),
+                  # Who and where the silent are: each rank that finds the verdict kills those
+                  # of its own node.
+                  "silent": {str(r): asdict(beat) for r in verdict.silent
+                             if (beat := verdict.heartbeats.get(r) or self.peers.get(r))}}
         try:
             first = self._claim(record)
         except WatchdogClosed:
