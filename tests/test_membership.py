@@ -17,6 +17,7 @@ import socket
 import threading
 import time
 import types
+from pathlib import Path
 
 import psutil
 import pytest
@@ -35,11 +36,15 @@ from elastic_mnist.resilience.agreement import (
     Identity,
     Pulses,
     close_membership,
+    decode_ranks,
+    encode_ranks,
     pulse_key,
     successor_env,
+    watchers,
     whole_nodes,
 )
 from elastic_mnist.resilience.agreement import check_in as survivor_checks_in
+from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 from elastic_mnist.resilience.lease import LeaseKeeper
 from elastic_mnist.resilience.lease_record import JobIdentity, read_lease
@@ -57,15 +62,22 @@ def store() -> TCPStore:
     return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
 
 
+def own_board(folder: Path, rank: int) -> NodeBoard:
+    """A board of its own for ``rank``, as if each rank of this one process ran on a node of its
+    own (the default board is its agent's: the test process's parent, for every rank here)."""
+    return NodeBoard(folder / f"node-of-rank-{rank}", "board", 1, 0)
+
+
 @pytest.fixture
-def members(store):
+def members(store, tmp_path):
     """Memberships of ranks of one generation, closed at the end (their watchers stop)."""
     made: list[Membership] = []
 
     def make(rank: int = 0, world_size: int = 2, pg_timeout_s: float = 10) -> Membership:
         env = DistEnv(rank=rank, world_size=world_size, launched=True)
         made.append(Membership(env, torch.device("cpu"), PrefixStore("launch", store.clone()),
-                               generation=0, pg_timeout_s=pg_timeout_s, bound_s=60))
+                               generation=0, pg_timeout_s=pg_timeout_s, bound_s=60,
+                               board=own_board(tmp_path, rank)))
         return made[-1]
 
     yield make
@@ -109,7 +121,8 @@ def pulses(store):
 
     def start(*ranks: int) -> Pulses:
         beating.update(ranks)
-        return Pulses(reader, {r: f"pulse/{r}" for r in range(4)}, "pulse/0")
+        # A record of one slot per rank (a node of one worker each), raised by ``add``.
+        return Pulses(reader, {r: (f"pulse/{r}", 0) for r in range(4)}, ("pulse/0", 0))
 
     yield start
     stop.set()
@@ -121,7 +134,7 @@ def test_the_membership_closes_at_once_when_every_expected_rank_has_come(store, 
         check_in(store, rank)
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2],
-                               pulses=pulses(0, 1, 3), limit_s=30)
+                               pulses=pulses(0, 1, 3), limit_s=30)["members"]
     assert members == [0, 1, 3] and time.monotonic() - start < 5  # not the limit
 
 
@@ -131,12 +144,13 @@ def test_the_dead_are_left_out_once_their_pulses_stop(store, pulses):
     late.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[],
-                               pulses=pulses(0, 2), limit_s=30)
+                               pulses=pulses(0, 2), limit_s=30)["members"]
     late.join()
     assert members == [0, 2]  # 1 and 3 never came, and their pulses stand still
     assert time.monotonic() - start < 3  # SILENT_PULSES of the reader's own, not the limit
     check_in(store, 1)  # too late: the membership is closed, and the same for everyone
-    assert close_membership(store.clone(), "g0/", {0, 1, 2, 3}, [], pulses(), 30) == [0, 2]
+    assert close_membership(store.clone(), "g0/", {0, 1, 2, 3}, [], pulses(),
+                            30)["members"] == [0, 2]
 
 
 def test_a_live_rank_busy_with_its_own_work_is_waited_for(store, pulses):
@@ -151,7 +165,7 @@ def test_a_live_rank_busy_with_its_own_work_is_waited_for(store, pulses):
     busy.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1, 3}, excluded=[2],
-                               pulses=pulses(0), limit_s=30)
+                               pulses=pulses(0), limit_s=30)["members"]
     starved.join()
     busy.join()
     assert members == [0, 1] and 2.0 <= time.monotonic() - start < 5
@@ -161,7 +175,7 @@ def test_a_live_rank_that_never_comes_is_left_out_at_the_limit(store, pulses):
     check_in(store, 0)
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
-                               pulses=pulses(0, 1), limit_s=1.5)
+                               pulses=pulses(0, 1), limit_s=1.5)["members"]
     assert members == [0] and 1.5 <= time.monotonic() - start < 4
 
 
@@ -177,7 +191,7 @@ def test_an_arrival_lost_before_it_named_itself_hides_none_after_it(store, pulse
     late.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1, 2, 3}, excluded=[],
-                               pulses=pulses(0, 2, 3), limit_s=30)
+                               pulses=pulses(0, 2, 3), limit_s=30)["members"]
     late.join()
     assert members == [0, 2, 3] and time.monotonic() - start < 5  # 1's silence, not the limit
 
@@ -192,7 +206,7 @@ def test_an_arrival_that_names_itself_late_is_read_when_it_does(store, pulses):
     named.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
-                               pulses=pulses(0, 1), limit_s=30)
+                               pulses=pulses(0, 1), limit_s=30)["members"]
     named.join()
     assert members == [0, 1] and time.monotonic() - start < 5
 
@@ -201,7 +215,52 @@ def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store, pulses):
     for rank in (0, 1):
         check_in(store, rank)
     assert close_membership(store, "g0/", expected={0}, excluded=[1], pulses=pulses(0, 1),
-                            limit_s=30) == [0]
+                            limit_s=30)["members"] == [0]
+
+
+def test_only_the_watchers_look_and_every_other_survivor_takes_their_record(store, pulses):
+    """Of 5 survivors, ranks 0, 2 and 4 watch; rank 1 waits for their record in one operation
+    (it never looks at the check-ins, nor reads a pulse) and takes what the watcher decided."""
+    assert watchers({0, 1, 2, 3, 4}) == [0, 2, 4] and watchers([7]) == [7]
+    counted = CountingStore(store.clone())
+    waiting: list[dict] = []
+    follower = threading.Thread(target=lambda: waiting.append(close_membership(
+        counted, "g0/", {0, 1, 2, 3, 4}, [], pulses(0, 1, 2, 3, 4), limit_s=30, rank=1)))
+    follower.start()
+    for rank in range(5):
+        check_in(store, rank)
+    decided = close_membership(store, "g0/", {0, 1, 2, 3, 4}, [], pulses(0, 1, 2, 3, 4),
+                               limit_s=30, rank=4,
+                               decide=lambda members: {"members": members[:-1], "step": 7})
+    follower.join(10)
+    assert decided == waiting[0] == {"members": [0, 1, 2, 3], "step": 7}
+    assert counted.calls == ["wait", "check", "get"]
+
+
+def test_a_survivor_closes_the_membership_itself_when_no_watcher_does(store, pulses):
+    for rank in (1, 3):
+        check_in(store, rank)
+    start = time.monotonic()
+    assert close_membership(store, "g0/", {0, 1, 2, 3, 4}, [], pulses(1, 3), limit_s=1,
+                            rank=1)["members"] == [1, 3]  # 0, 2 and 4 were lost, watchers all
+    assert 1 <= time.monotonic() - start < 10
+
+
+def test_a_membership_is_written_as_its_runs_of_ranks():
+    for ranks in ([], [3], [0, 1, 2, 5, 7, 8], list(range(8000))):
+        assert decode_ranks(encode_ranks(ranks)) == ranks
+    assert encode_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+class CountingStore:
+    """A store that notes the name of every call made on it."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.store, name)
 
 
 def test_survivors_are_renumbered_in_the_order_of_their_old_ranks():
@@ -285,7 +344,8 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     assert written[0]["phase"] == "creating the new group"
     assert written[0]["reason"].startswith("no step completed within 60 s of the fault (the last "
                                            "round failed creating the new group: no pulse")
-    store.set("launch/g0/members", "[0]")  # rank 0 closed the membership without rank 1
+    # Rank 0 closed the membership without rank 1.
+    store.set("launch/g0/members", json.dumps({"members": "0", "step": 3}))
     with pytest.raises(Dropped) as e:
         theirs.recover(agreement.Position(step=3, mid_step=False, evaluated_step=0))
     assert (str(e.value), e.value.exit_code) == (DROPPED_LINE, EXIT_DROPPED)
@@ -347,7 +407,9 @@ def memberships_on_a_store_that_goes(folder, ranks: int = 2):
     return server, [Membership(DistEnv(rank=r, world_size=ranks, launched=True),
                                torch.device("cpu"), PrefixStore("launch", server.clone()),
                                generation=0, pg_timeout_s=10, bound_s=60, folder=folder,
-                               launch="this-launch") for r in range(ranks)]
+                               launch="this-launch",
+                               board=own_board(folder.parent / f"{folder.name}-boards", r))
+                    for r in range(ranks)]
 
 
 def test_the_fence_fails_closed_for_a_dropped_rank_when_the_coordination_store_does_not_answer(
@@ -1066,7 +1128,8 @@ def test_joiners_that_had_not_taken_the_state_do_not_go_on_alone_from_scratch(st
     regroup = Regroup(joiner, None, None, None, torch.device("cpu"), Progress(), dict,
                       lambda payload: None)
     joiner.joining = False  # admitted: the grow moved it into the job's generation
-    store.set("launch/g0/members", "[1]")  # the survivors' membership: the joiner alone
+    # Rank 0 never checks in (it never said who it was: its pulse stands still): the joiner,
+    # a watcher of two, closes the membership alone, and finds no state in it.
     with no_group_left(), pytest.raises(CannotRecover, match="no survivor holds the job's state"):
         joiner.recover(regroup.position(evaluated_step=0))
 

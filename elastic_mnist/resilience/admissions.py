@@ -242,7 +242,7 @@ class Admissions:
             job = self.records.job()
             if job is not None and job.finished:
                 return "unadmitted"
-            own, now = connection.add(m.pulse_key, 0), self.records.beats()
+            own, now = m.own_pulse(connection), self.records.beats()
             if now != beat:
                 beat, moved_at = now, own
             if job is None or job.launch != m.launch or own - moved_at >= m.bound_s / PULSE_S:

@@ -9,7 +9,9 @@ Pure records and store reads: no thread, no process group (membership.py and rec
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import datetime
 import json
 import time
 from collections.abc import Callable
@@ -19,6 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from elastic_mnist.env import DistEnv
+from elastic_mnist.resilience.board import parse, record_key
 
 PULSE_S = 0.1
 """How often each process raises its pulse in the coordination store."""
@@ -29,19 +32,7 @@ where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6
 and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
 recovery may add to it (it is named by this silence when nothing else fails first)."""
 LOOK_S = 0.005
-"""How often a survivor looks whether its peers have checked in, in a small job."""
-LOOKS_PER_S = 20_000
-"""In a large one, how often the survivors look, all together (two store operations each, and a
-read of each arrival new to the looker): the coordination store answers about 120,000
-operations a second (``make scale``), and every survivor of a 512-rank job looking every 5 ms
-asked it for 200,000."""
-PULSE_VALUES_PER_S = 1_000_000
-"""How many pulses the survivors read a second, all together (each reads every rank's), in a
-large job; in a small one each reads them every PULSE_S."""
-READ_PULSES_MAX_S = 1.0
-"""The longest a survivor goes between two reads of the pulses: a silence is seen within this
-of SILENT_PULSES (a job of thousands of ranks reads more than the store serves even so: one
-pulse per node is what scales)."""
+"""How often a watcher of a change looks whether the survivors have checked in."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
 
@@ -70,6 +61,9 @@ class Identity:
     serial: int | None = None
     """The agent's serial in our rendezvous (``ELASTIC_MNIST_AGENT``); None under torch's c10d
     one, which numbers no agents."""
+    board: str = ""
+    """Its node's board (board.py), whose record in the store holds this process's pulse, in
+    the slot of its ``local_rank``."""
 
     @property
     def node(self) -> tuple[str, int]:
@@ -158,14 +152,62 @@ def read_present(store: dist.Store, keys: list[str],
     return dict(zip(present, call(store.multi_get, present), strict=True)) if present else {}
 
 
-def look_s(world_size: int) -> float:
-    """How often each survivor of a ``world_size``-rank generation looks at the check-ins."""
-    return max(LOOK_S, world_size / LOOKS_PER_S)
+def watchers(ranks: set[int] | list[int]) -> list[int]:
+    """The ranks, of ``ranks``, that watch over a change for all: the first, the middle one and
+    the last, on three nodes wherever the job has three (ranks are numbered node by node), so
+    that a node lost meanwhile never takes them all. They read the check-ins and the pulses and
+    close the membership (:func:`close_membership`), and watch the new group's creation
+    (recovery.py); every other survivor waits for what they write: a pulse read by every
+    survivor was W² values, and each survivor's poll of the check-ins hundreds of operations a
+    second times W."""
+    ordered = sorted(ranks)
+    return sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]}) if ordered else []
 
 
-def read_pulses_s(world_size: int) -> float:
-    """How often each survivor of a ``world_size``-rank generation reads every rank's pulse."""
-    return min(READ_PULSES_MAX_S, max(PULSE_S, world_size ** 2 / PULSE_VALUES_PER_S))
+def encode_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` as ``"0-2,5,7-8"``: a membership of thousands of ranks, read by
+    each of them, is its few gaps long, not its ranks."""
+    runs: list[list[int]] = []
+    for rank in sorted(ranks):
+        if runs and rank == runs[-1][1] + 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def decode_ranks(text: str) -> list[int]:
+    ranks: list[int] = []
+    for run in filter(None, text.split(",")):
+        a, _, b = run.partition("-")
+        ranks.extend(range(int(a), int(b or a) + 1))
+    return ranks
+
+
+WOKEN_WAIT = datetime.timedelta(seconds=0.5)
+"""How long a rank that declares a fault after another waits for the first to have woken every
+rank, before it wakes them itself."""
+
+
+def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -> str:
+    """``fault`` (a :class:`Fault`'s JSON), declared in the generation of ``prefix``: the
+    generation's one fault, the first declared, is returned. The first to declare wakes every
+    rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so; the others
+    (every survivor declares as its collective fails) wait for that, instead of writing every
+    rank's wake key again each (W² keys), and wake them themselves only where the first was lost
+    between its writes."""
+    agreed = store.compare_set(f"{prefix}fault", "", fault).decode()
+    woken = f"{prefix}woken"
+    if agreed != fault:
+        try:
+            store.wait([woken], WOKEN_WAIT)
+            return agreed
+        except RuntimeError:  # DistStoreError: not woken in time
+            pass
+    wake = [f"{prefix}wake/{rank}" for rank in range(world_size)]
+    store.multi_set(wake, ["fault"] * len(wake))
+    store.set(woken, "1")
+    return agreed
 
 
 def check_in(store: dist.Store, prefix: str, rank: int, position: str) -> None:
@@ -177,54 +219,75 @@ def check_in(store: dist.Store, prefix: str, rank: int, position: str) -> None:
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
-                     pulses: Pulses, limit_s: float) -> list[int]:
-    """The survivors, as the first rank to close the membership saw them: every rank that checked
-    in (:func:`check_in`) once all ``expected`` have, but for those whose pulse stopped, or once
-    ``limit_s`` has passed; never one of ``excluded``.
+                     pulses: Pulses, limit_s: float, rank: int | None = None,
+                     decide: Callable[[list[int]], dict[str, Any]] | None = None
+                     ) -> dict[str, Any]:
+    """What the survivors agree on, as the first watcher to close the membership decided it:
+    ``decide(members)`` (by default ``{}``) with ``members``, every rank that checked in
+    (:func:`check_in`) once all ``expected`` have, but for those whose pulse stopped, or once
+    ``limit_s`` has passed; never one of ``excluded``. The record's ``members`` are the ones
+    ``decide`` returns, if any, else those.
 
-    Each look reads only the arrivals since the last (an entry not written yet, its writer lost
-    between its count and its name, say, is looked for again at the next): a survivor reads each
-    arrival once, not every rank's check-in at every arrival."""
+    The :func:`watchers` of ``expected`` (every caller where ``rank`` is None) look at the
+    check-ins; each reads each arrival once (an entry not written yet, its writer lost between
+    its count and its name, say, is looked for again at the next look). Every other survivor
+    waits for the record, one operation, and closes it itself only if no watcher has within
+    ``limit_s`` (all three lost meanwhile)."""
     key = f"{prefix}members"
-    world_size = len(expected | set(excluded))
+    if rank is not None and rank not in watchers(expected):
+        with contextlib.suppress(RuntimeError):  # DistStoreError: not closed within the limit
+            store.wait([key], datetime.timedelta(seconds=limit_s + 1))
     seen, unread, arrived, silent = 0, set(), set(), set()
     start = next_read = time.monotonic()
     while not store.check([key]):
         arrivals = store.add(f"{prefix}arrivals", 0)
         unread.update(range(seen, arrivals))
         seen = max(seen, arrivals)
-        for n in sorted(unread):
-            entry = f"{prefix}arrived/{n}"
-            if store.check([entry]):
-                arrived.add(int(store.get(entry)))
-                unread.discard(n)
+        entries = {f"{prefix}arrived/{n}": n for n in sorted(unread)}
+        found = read_present(store, list(entries))
+        arrived.update(int(value) for value in found.values())
+        unread -= {entries[entry] for entry in found}
         present = arrived & expected
         now = time.monotonic()
         if now >= next_read:
-            silent, next_read = pulses.silent(), now + read_pulses_s(world_size)
+            silent, next_read = pulses.silent(), now + PULSE_S
         if present >= expected - silent or now - start >= limit_s:
-            store.compare_set(key, "", json.dumps(sorted(present)))
+            members = sorted(present)
+            record = {"members": members, **(decide(members) if decide else {})}
+            record["members"] = encode_ranks(record["members"])
+            store.compare_set(key, "", json.dumps(record))
             break
-        time.sleep(look_s(world_size))
-    return json.loads(store.get(key))
+        time.sleep(LOOK_S)
+    record = json.loads(store.get(key))
+    return {**record, "members": decode_ranks(record["members"])}
+
+
+PulseKey = tuple[str, int]
+"""Where a process's pulse is read: its node's record in the store, and its slot there."""
 
 
 class Pulses:
     """Who is still there, by the pulses in the coordination store: a process is silent when its
     pulse stood still while the reader's own moved SILENT_PULSES times. Measured by the reader's
-    own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both."""
+    own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both.
+    Each read is one ``multi_get`` of the nodes' records (board.py), one per node."""
 
-    def __init__(self, store: dist.Store, keys: dict[int, str | None], own: str):
-        """``keys``: each rank's pulse key (None for a rank that never said who it was)."""
+    def __init__(self, store: dist.Store, keys: dict[int, PulseKey | None], own: PulseKey):
+        """``keys``: each rank's (None for a rank that never said who it was)."""
         self.store, self.keys, self.own = store, keys, own
         self.seen: dict[int, tuple[int, int]] = {}
         """rank → (its pulse, the reader's own when it last moved)."""
 
     def silent(self) -> set[int]:
-        known = [rank for rank, key in self.keys.items() if key is not None]
-        values = [int(v) for v in self.store.multi_get([self.own]
-                                                        + [self.keys[r] for r in known])]
-        mine, theirs = values[0], dict(zip(known, values[1:]))
+        records = list(dict.fromkeys([self.own[0]] + [key[0] for key in self.keys.values()
+                                                       if key is not None]))
+        counts = dict(zip(records, map(parse, self.store.multi_get(records)), strict=True))
+
+        def pulse(key: PulseKey | None) -> int:
+            slots = counts[key[0]] if key is not None else []
+            return slots[key[1]] if key is not None and key[1] < len(slots) else -1
+
+        mine, theirs = pulse(self.own), {rank: pulse(key) for rank, key in self.keys.items()}
         for rank in self.keys:
             pulse = theirs.get(rank, -1)
             if self.seen.get(rank, (None,))[0] != pulse:
@@ -232,9 +295,11 @@ class Pulses:
         return {rank for rank, (_, since) in self.seen.items() if mine - since >= SILENT_PULSES}
 
 
-def pulse_key(identity: Identity) -> str | None:
-    """Where the process of ``identity`` raises its pulse (None: it never said who it was)."""
-    return None if identity == UNKNOWN else f"pulse/{identity.key}"
+def pulse_key(identity: Identity) -> PulseKey | None:
+    """Where the pulse of the process of ``identity`` is read (None: it never said who it
+    was)."""
+    return (None if identity == UNKNOWN or not identity.board
+            else (record_key(identity.board), identity.local_rank))
 
 
 def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:

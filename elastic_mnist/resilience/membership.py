@@ -13,8 +13,9 @@ go on by themselves, without a process start, a new CUDA context or a checkpoint
    coordination store; a watcher thread in every rank sees the declaration and fails that rank's
    pending collectives at once. gloo cannot abort a collective blocked on a frozen peer (its
    thread returns at the group's timeout): the rank simply stops waiting for it, and the group is
-   abandoned to its thread. Every process also raises a *pulse* in the store every ``PULSE_S``
-   (agreement.py: :class:`Pulses` tells the gone or frozen from the busy).
+   abandoned to its thread. Every process also raises a *pulse* every ``PULSE_S``, on its node's
+   board, which one worker of the node writes into the store for all (board.py; agreement.py:
+   :class:`Pulses` tells the gone or frozen from the busy).
 2. **Agree on who is left**, and 3. **a new group** (a new *generation*), within ``bound_s`` of
    the fault, else torchrun restarts the job: recovery.py. The worst case is the restart.
 
@@ -63,10 +64,12 @@ from elastic_mnist.resilience.agreement import (
     UNKNOWN,
     Fault,
     Identity,
+    declare_fault,
     generation_key,
     pulse_key,
     read_present,
 )
+from elastic_mnist.resilience.board import NodeBoard, board_for, parse
 from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.fence import Over
@@ -154,7 +157,8 @@ class Membership(NullMembership):
     def __init__(self, env: DistEnv, device: torch.device, store: dist.Store, generation: int,
                  pg_timeout_s: float, bound_s: float, folder: Path | None = None,
                  launch: str = "", agents: NoAgents | None = None,
-                 records: Roster | None = None, run_id: str = "", joining: bool = False):
+                 records: Roster | None = None, run_id: str = "", joining: bool = False,
+                 board: NodeBoard | None = None):
         """``store``: the coordination store, under this launch's own prefix; ``bound_s``: how
         long after a fault the survivors may take to complete a step before they give up;
         ``folder``: the checkpoint folder, where the job's current generation is mirrored
@@ -163,7 +167,9 @@ class Membership(NullMembership):
         ``records``: the rendezvous records, where the job is published for nodes that join
         it, on a connection of their own (None: no node joins in process); ``run_id``: the
         training run's; ``joining``: this worker's node joins the job, at ``generation`` now,
-        and is a member only once the job admits it (:meth:`enter`)."""
+        and is a member only once the job admits it (:meth:`enter`); ``board``: where this
+        process raises its pulse with its node's other workers (board.py; by default the file
+        of its agent and launch)."""
         self.env, self.device = env, device
         self.folder, self.launch = (None if folder is None else Path(folder)), launch
         self.store = store
@@ -204,8 +210,13 @@ class Membership(NullMembership):
         self.identity = dataclasses.replace(self.identity, agent_addr=agent_addr)
         self.round: int | None = self.launcher.round
         """The rendezvous round this process's agent is in (None: no rendezvous)."""
+        self.board = board if board is not None else board_for(
+            self.identity.host, self.identity.agent, launch, env.local_world_size,
+            env.local_rank)
+        self.identity = dataclasses.replace(self.identity, board=self.board.node)
         self.pulse_key = pulse_key(self.identity)
-        self.connections.declare.add(self.pulse_key, 1)  # exists before this rank says who it is
+        # The node's record exists before this rank says who it is: a read never waits for it.
+        self.connections.declare.set(self.board.key, self.board.record(self.board.counts()))
         self.inject: Callable[[str], None] = lambda phase: None
         self.on_fallback: Callable[[dict[str, Any]], None] = lambda record: None
         """Writes the ``fallback`` record where this rank can (duties.py)."""
@@ -273,11 +284,21 @@ class Membership(NullMembership):
             self.store.set(self.key(f"wake/{self.env.rank}"), "closed")
 
     def _pulse(self) -> None:
-        """Raises this process's pulse every PULSE_S while it lives: see :class:`Pulses`."""
+        """Raises this process's pulse on its node's board every PULSE_S while it lives, and
+        writes the node's record when it speaks for the node: see :class:`Pulses`."""
         while not self._closed:
             time.sleep(PULSE_S)
-            with contextlib.suppress(RuntimeError):  # a store that stalls: the readers see it
-                self.connections.declare.add(self.pulse_key, 1)
+            record = self.board.beat()
+            if record is not None:
+                with contextlib.suppress(RuntimeError):  # a store that stalls: readers see it
+                    self.connections.declare.set(self.board.key, record)
+        self.board.close()
+
+    def own_pulse(self, store: dist.Store) -> int:
+        """This process's pulse as its node's record in the store says it."""
+        key, slot = self.pulse_key
+        counts = parse(store.get(key))
+        return counts[slot] if slot < len(counts) else -1
 
     # --- collectives that can be given up on ------------------------------------------------------
 
@@ -351,11 +372,8 @@ class Membership(NullMembership):
                          generation, why, suspects, current)
                 return None
             fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
-            agreed = store.compare_set(self.key("fault", current), "", json.dumps(asdict(fault)))
-            # Every rank that declares wakes every rank: one that dies between the two writes
-            # leaves the waking to the others.
-            wake = [self.key(f"wake/{r}", current) for r in range(env.world_size)]
-            store.multi_set(wake, ["fault"] * len(wake))
+            agreed = declare_fault(store, self.key("", current), env.world_size,
+                                   json.dumps(asdict(fault)))
         return Fault(**json.loads(agreed))
 
     def identities(self, store: dist.Store | None = None) -> dict[int, Identity]:

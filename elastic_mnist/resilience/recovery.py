@@ -48,6 +48,7 @@ from elastic_mnist.errors import (
 )
 from elastic_mnist.resilience.agreement import (
     NO_STATE,
+    PULSE_S,
     Change,
     Identity,
     Position,
@@ -56,8 +57,8 @@ from elastic_mnist.resilience.agreement import (
     close_membership,
     grown,
     pulse_key,
-    read_pulses_s,
     successor_env,
+    watchers,
     whole_nodes,
 )
 from elastic_mnist.resilience.current import dropped_line
@@ -116,18 +117,29 @@ class Recovery:
             pulses = Pulses(m.store, {r: pulse_key(i) for r, i in identities.items()},
                             m.pulse_key)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
-            members = whole_nodes(close_membership(m.store, m.key(""), expected,
-                                                   fault.suspects, pulses,
-                                                   limit_s=m.bound_s / 2),
-                                  identities, fault, m.env.world_size)
+
+            def decide(present: list[int]) -> dict[str, Any]:
+                """The watcher that closes the membership decides for all: whole nodes, and
+                the agreed step, from the members' check-ins (read once, not by every one)."""
+                members = whole_nodes(present, identities, fault, m.env.world_size)
+                positions = [Position(**json.loads(value)) for value in m.store.multi_get(
+                    [m.key(f"in/{r}") for r in members])] if members else []
+                step = max((p.step for p in positions), default=NO_STATE)
+                return {"members": members, "step": step,
+                        "holder": next((i for i, p in enumerate(positions) if p.step == step), 0),
+                        "steps_redone": int(any(p.mid_step and p.step == step
+                                                for p in positions)),
+                        "evaluated_step": positions[0].evaluated_step if positions else 0}
+
+            agreed = close_membership(m.store, m.key(""), expected, fault.suspects, pulses,
+                                      limit_s=m.bound_s / 2, rank=m.env.rank, decide=decide)
+            members = agreed["members"]
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
-            positions = [Position(**json.loads(value)) for value in m.store.multi_get(
-                [m.key(f"in/{r}") for r in members])]
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
             raise self._left_behind() or CannotRecover(
                 f"the coordination store does not answer: {first_line(e)}") from None
-        step = max(p.step for p in positions)
+        step = agreed["step"]
         if step == NO_STATE:  # every rank that held the job's state was lost as joiners entered
             raise CannotRecover("no survivor holds the job's state (the ranks left joined it and "
                                 "had not yet taken it)")
@@ -137,9 +149,8 @@ class Recovery:
                 for r in range(m.env.world_size) if r not in members]
         change = Change(env=env, generation=m.generation + 1,
                         old_world_size=m.env.world_size, lost=lost, why=fault.why, step=step,
-                        holder=next(i for i, p in enumerate(positions) if p.step == step),
-                        steps_redone=int(any(p.mid_step and p.step == step for p in positions)),
-                        evaluated_step=positions[0].evaluated_step, detected=detected,
+                        holder=agreed["holder"], steps_redone=agreed["steps_redone"],
+                        evaluated_step=agreed["evaluated_step"], detected=detected,
                         detected_at=detected_at)
         change = self._widen(change, members)
         try:
@@ -294,9 +305,11 @@ class Recovery:
         threading.Thread(target=body, daemon=True, name=f"membership-g{m.generation}").start()
         finished = threading.Event()
         guarded.add_done_callback(lambda _: finished.set())
-        members = self._pulse_keys
+        # The generation's watchers read its members' pulses; every other member waits.
+        members = {r: key for r, key in self._pulse_keys.items()
+                   if m.env.rank in watchers(self._pulse_keys)}
         pulses = Pulses(m.store, members, m.pulse_key) if members else None
-        while not finished.wait(read_pulses_s(len(members or {}))):
+        while not finished.wait(PULSE_S):
             try:
                 silent = pulses.silent() - {m.env.rank} if pulses is not None else set()
                 if silent:

@@ -1,0 +1,126 @@
+"""The workers of one node side by side: each raises its pulse in a small file they share, and
+one of them, the *speaker*, says all of theirs in the coordination store at once.
+
+A pulse per process in the store is ten operations a second per rank (``PULSE_S``): at 1,000
+nodes of 8, 80,000 a second, most of what one store's event loop answers (``make scale``). On
+the board a pulse is a write to shared memory; the store sees one record per node, a ``set`` of
+every slot's count (``"17,16,18,0"``) every ``PULSE_S``, and readers (:class:`Pulses`) take
+each rank's count from its node's record: a rank frozen or wedged still stands out, since its
+own slot stops moving while its siblings' move on.
+
+The speaker is the lowest slot whose pulse moved within ``SPEAKER_SILENT`` of the process's own
+pulses, as each process sees the board: when it freezes, the next one speaks within about half
+a second (a rank is judged silent only after 1.5 s); two that speak at once for a moment write
+the same counts. The file is the node's for one launch (its agent's pid and the launch's nonce
+name it), one slot per worker that agent started (``LOCAL_RANK`` at start: a slot stays its
+worker's whatever local rank a change gives it later). A node nonce, drawn by the first worker
+to make the file, names the record: two containers of one host name whose agents are both pid 1
+keep records of their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import secrets
+import struct
+import tempfile
+from pathlib import Path
+
+SPEAKER_SILENT = 5
+"""A slot whose pulse stood still while this process's own moved this many times no longer
+speaks for the node (about 0.5 s): the next live one does."""
+NONCE_BYTES = 16
+COUNT = struct.Struct("<Q")
+
+
+def record_key(node: str) -> str:
+    """Where the speaker of ``node`` (a board's :attr:`NodeBoard.node`) writes its record."""
+    return f"node/{node}"
+
+
+def parse(record: bytes | str) -> list[int]:
+    """The slots' counts in a node's record (a record of one count is a slot 0's, as an ``add``
+    on the key writes it)."""
+    text = record.decode() if isinstance(record, bytes) else record
+    return [int(count) for count in text.split(",")] if text else []
+
+
+class NodeBoard:
+    """One process's view of its node's board: its own slot to raise, everyone's to read."""
+
+    def __init__(self, folder: Path, name: str, slots: int, slot: int):
+        """``name``: the file's, the same for every worker of the node (its host, its agent's
+        pid, the launch's nonce); ``slots``: how many workers the agent started; ``slot``:
+        this one's ``LOCAL_RANK`` at start."""
+        if not 0 <= slot < slots:
+            raise ValueError(f"slot {slot} of {slots}")
+        self.slot, self.slots = slot, slots
+        self.path = Path(folder) / name
+        size = NONCE_BYTES + COUNT.size * slots
+        self._create(size)
+        with open(self.path, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), size)
+        self.node = f"{name}/{self._map[:NONCE_BYTES].decode()}"
+        """The node's name in the store: the file's, and the nonce of the first to make it."""
+        self.key = record_key(self.node)
+        self._seen: dict[int, tuple[int, int]] = {}
+        """slot → (its count, this process's own when it last moved)."""
+
+    def _create(self, size: int) -> None:
+        """Makes the file whole, if no sibling has: written aside, then linked into place
+        (a link never replaces a file), so nobody ever opens it half written."""
+        if self.path.exists():
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd, aside = tempfile.mkstemp(dir=self.path.parent, prefix=".board-")
+        try:
+            os.write(fd, secrets.token_hex(NONCE_BYTES // 2).encode() + bytes(size - NONCE_BYTES))
+            os.close(fd)
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+        finally:
+            os.unlink(aside)
+
+    def counts(self) -> list[int]:
+        return [COUNT.unpack_from(self._map, NONCE_BYTES + COUNT.size * s)[0]
+                for s in range(self.slots)]
+
+    def beat(self) -> str | None:
+        """Raises this process's pulse; the node's record if this process speaks for the node
+        (the lowest slot whose pulse moves), else None."""
+        at = NONCE_BYTES + COUNT.size * self.slot
+        mine = COUNT.unpack_from(self._map, at)[0] + 1
+        COUNT.pack_into(self._map, at, mine)
+        counts = self.counts()
+        for s, count in enumerate(counts):
+            if self._seen.get(s, (None,))[0] != count:
+                self._seen[s] = (count, mine)
+        live = [s for s, (_, since) in self._seen.items() if mine - since < SPEAKER_SILENT]
+        return self.record(counts) if min(live) == self.slot else None
+
+    @staticmethod
+    def record(counts: list[int]) -> str:
+        return ",".join(map(str, counts))
+
+    def close(self) -> None:
+        """Unmaps the board, and removes its file (siblings keep their own mapping of it)."""
+        with contextlib.suppress(FileNotFoundError):
+            self.path.unlink()
+        with contextlib.suppress(BufferError, ValueError):
+            self._map.close()
+
+
+def board_for(host: str, agent: int, launch: str, slots: int, slot: int) -> NodeBoard:
+    """The board of the node whose agent is ``agent`` (a pid on ``host``), for ``launch``.
+    The boards of the agent's earlier launches (its workers restarted: none of them unlinked
+    it) are removed: a process still holding one keeps its own mapping."""
+    folder = Path(tempfile.gettempdir()) / f"elastic-mnist-{os.getuid()}"
+    name = f"{host}+{agent}+{launch or 'launch'}"  # no host name holds a "+"
+    if folder.is_dir():
+        for earlier in folder.glob(f"{host}+{agent}+*"):
+            if earlier.name != name:
+                with contextlib.suppress(FileNotFoundError):
+                    earlier.unlink()
+    return NodeBoard(folder, name, slots, slot)
