@@ -7,21 +7,26 @@
 Everything that keeps a job together runs through one c10d TCPStore, served by one event loop.
 This runs that traffic without training: one real TCPStore (torch's, in a process of its own,
 as ``elastic-mnist rendezvous`` serves it) and simulated nodes, spread over a few processes,
-each node on one connection of its own speaking for its ranks with the job's own code:
+each node on connections of its own speaking for its ranks with the job's own code:
 
-- every rank's heartbeat is a real :class:`Watchdog`'s ``_publish`` (once a second), and its
-  hang probe the same Watchdog's ``_table``, twice, two beats apart, as ``_probe`` reads it;
-- every rank's pulse is the membership's ``add`` on its pulse key, every ``PULSE_S``;
-- each node's agent asks ``Roster.waiting`` every ``--monitor-interval`` (0.1 s, torch's
-  default) and, twice per keep-alive interval, judges the job's agents with ``Liveness.dead``
+- every rank's heartbeat is a real :class:`Watchdog`'s ``_publish`` (once a second); through a
+  hang, the two probers read every heartbeat twice (``_table``, two beats apart) and declare
+  (``_claim``), and every other rank looks for their verdict (``_probers_verdict``);
+- every rank raises its pulse on its node's real board (board.py, a file per simulated node),
+  whose speaker writes the node's record every ``PULSE_S``;
+- each node's agent asks ``Roster.waiting`` every ``--monitor-interval`` (0.5 s, as jobs/
+  launch it) and, twice per keep-alive interval, judges the job's agents with ``Liveness.dead``
   (the body of ``AgentsHandler.num_nodes_waiting``); it keeps alive with ``Roster.keep_alive``;
 - rank 0 beats for the job (``Roster.beat``, every admissions poll); each node's local rank 0
   asks the fence (``CurrentGeneration.dropped``) every lease beat.
 
-Phases, for each size: a steady state (``--steady-s``); a hang (every rank's watchdog probes at
-once, as when the job stops stepping); a lost node (its pulses stop; every survivor checks in
-and agrees on who is left with ``close_membership`` and ``Pulses``, as recovery.py does, in a
-thread of its own). It prints a table (store operations and bytes a second, per rank, the
+Phases, for each size: a steady state (``--steady-s``); a hang (from two beats before the
+deadline, as when the job stops stepping); a lost node (its pulses stop; every survivor declares
+the fault with ``declare_fault`` and checks in, the watchers read the identities, the check-ins
+and the pulses and close the membership with ``close_membership``, deciding from the members'
+positions, and every other survivor waits for it, as recovery.py does). Not simulated: each
+survivor's read of every identity, and the new group's creation (gloo's own rendezvous on the
+store), both W values per survivor (docs/recovery.md). It prints a table (store operations and bytes a second, per rank, the
 busiest second, the time to a hang verdict, the time to an agreed membership) and writes it as
 JSON. The store's capacity is measured first, on the same machine, by as many clients as this
 simulation uses. A phase that does not finish within ``--budget-s`` stops the run at that size,
@@ -38,8 +43,10 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections import Counter
@@ -59,10 +66,21 @@ from elastic_mnist.resilience.agreement import (
     Pulses,
     check_in,
     close_membership,
+    declare_fault,
+    pulse_key,
+    read_present,
+    watchers,
 )
+from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.roster import Liveness, Roster
-from elastic_mnist.resilience.watchdog import BEAT_S, PROBE_BEATS, StoreSilent, Watchdog
+from elastic_mnist.resilience.watchdog import (
+    BEAT_S,
+    PROBE_BEATS,
+    StoreSilent,
+    Watchdog,
+    probers,
+)
 from elastic_mnist.stores import listening
 
 REPO = Path(__file__).resolve().parents[1]
@@ -70,8 +88,9 @@ LAUNCH = "elastic_mnist/sim/launch"
 """The workers' prefix in the store (``elastic_mnist/<run id>/<launch>``, job.py)."""
 PROCESSES = 4
 """Simulating processes: their threads share the machine's cores with the store."""
-MONITOR_S = 0.1
-"""torch's agent asks ``num_nodes_waiting`` every ``--monitor-interval`` (its default)."""
+MONITOR_S = 0.5
+"""The agent asks ``num_nodes_waiting`` every ``--monitor-interval``: 0.5 s as jobs/ launch it
+(torch's default, 0.1 s, asks five times as often: 10 N operations a second)."""
 KEEP_ALIVE_S = 5.0
 """torch's default ``keep_alive_interval``, also what our agent uses."""
 LEASE_BEAT_S = 3.0
@@ -79,9 +98,9 @@ LEASE_BEAT_S = 3.0
 ADMISSIONS_S = 0.5
 """Rank 0's admissions poll: a beat of the job each time."""
 MAX_AGREEING = 1024
-"""Survivors whose agreement this machine runs at once, a thread each: beyond, its threads
-fight over 2 cores for minutes and time nothing but the fight (the lost node is not simulated,
-and the run stops there, saying so)."""
+"""Surviving nodes whose agreement this machine runs at once, a thread each (speaking for the
+node's ranks in turn): beyond, its threads fight over 2 cores for minutes and time nothing but
+the fight (the lost node is not simulated, and the run stops there, saying so)."""
 OPS = ("set", "get", "add", "check", "multi_get", "multi_set", "compare_set", "wait")
 
 
@@ -146,6 +165,13 @@ class SimWatchdog(Watchdog):
     not in a thread of its own per rank; a call that fails (the store answered after the 2 s the
     watchdog gives it) is the store silent, as for the job's."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # No training thread to find: the heartbeat's ``where`` is empty (its frame walk,
+        # ``sys._current_frames()`` over this process's hundreds of threads, 8,000 times a
+        # second, would be the simulation's own cost, not the store's).
+        self.training_thread = None
+
     def _call(self, method, *args):
         try:
             return method(*args)
@@ -157,7 +183,7 @@ class Node:
     """A simulated node: its agent and its ranks, on one connection to the store."""
 
     def __init__(self, serial: int, ranks: range, world: int, port: int, counts: Counter,
-                 lock: threading.Lock, host: str):
+                 lock: threading.Lock, host: str, folder: Path, hang_timeout: float):
         self.serial, self.ranks, self.world = serial, ranks, world
         raw = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
         self.store = Counting(raw, counts, lock)  # the rendezvous records' (Roster's own keys)
@@ -167,30 +193,48 @@ class Node:
         watch = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))
         generation = f"{LAUNCH}/g0"
         self.generation = Counting(PrefixStore(generation, watch), counts, lock, generation)
+        # What a rank waits on in the agreement, a connection of its own, as each rank's main
+        # one is (a wait holds its connection).
+        self.agreeing = Counting(PrefixStore(LAUNCH, TCPStore(
+            "127.0.0.1", port, is_master=False, timeout=timedelta(seconds=300))),
+            counts, lock, LAUNCH)
         self.errors: Counter = Counter()
         """Store calls that failed (a timeout, most often), by their first line."""
         self.roster = Roster(self.store, "sim")
         self.liveness = Liveness(self.roster, serial, max_attempt=3)
         self.fence = CurrentGeneration(self.job, None, "launch")
+        # The node's board: a slot per rank, in a file of the node's own, as its workers share it.
+        self.boards = [NodeBoard(folder, host, len(ranks), slot) for slot in range(len(ranks))]
         self.identities = {r: Identity(host, 1000 + r, 100 + serial, r - ranks.start,
-                                       nonce=f"n{r}", serial=serial) for r in ranks}
+                                       nonce=f"n{r}", serial=serial, board=self.boards[0].node)
+                           for r in ranks}
         self.watchdogs = {r: SimWatchdog(DistEnv(rank=r, world_size=world), self.generation,
-                                         floor_s=10.0, report=lambda record: None)
+                                         floor_s=hang_timeout, report=lambda record: None)
                           for r in ranks}
         self.stopped = threading.Event()
         """Set when the node is lost: its agent and ranks fall silent."""
 
-    def pulse_key(self, rank: int) -> str:
-        return f"pulse/{self.identities[rank].key}"
+    def pulse_key(self, rank: int) -> tuple[str, int]:
+        return pulse_key(self.identities[rank])
 
     def start(self) -> None:
-        """What a node writes as it starts: its agent's keep-alive, its ranks' pulses and
-        identities, and their first heartbeats."""
+        """What a node writes as it starts: its agent's keep-alive, its board's record, its
+        ranks' identities, and their first heartbeats."""
         self.roster.keep_alive(self.serial)
+        self._pulse()
         for r in self.ranks:
-            self.job.add(self.pulse_key(r), 1)
             self.job.set(f"g0/id/{r}", json.dumps(dataclasses.asdict(self.identities[r])))
             self.watchdogs[r]._publish()
+
+    def _pulse(self) -> None:
+        """Every rank raises its pulse on the board; the speaker (slot 0: every slot moves
+        here) judges the board and writes the node's record. The others' judgement of it is
+        theirs alone, no store traffic, and costs this machine's cores 8 times over."""
+        for board in self.boards[1:]:
+            board.raise_pulse()
+        record = self.boards[0].beat()
+        if record is not None:
+            self.job.set(self.boards[0].key, record)
 
     def steady(self, until: float, stop: threading.Event) -> None:
         """The node's periodic traffic until ``until`` (or ``stop``, or the node is lost)."""
@@ -216,8 +260,7 @@ class Node:
     def _periodic(self, name: str, job_agents: list[int]) -> None:
         """One periodic duty of the node (:meth:`steady`)."""
         if name == "pulse":
-            for r in self.ranks:
-                self.job.add(self.pulse_key(r), 1)
+            self._pulse()
         elif name == "beat":
             for r in self.ranks:
                 self.watchdogs[r]._publish()
@@ -228,30 +271,90 @@ class Node:
         elif name == "keep_alive":
             self.roster.keep_alive(self.serial)
         elif name == "fence":
-            self.fence.dropped(0, self.ranks.start, self.identities[self.ranks.start].key)
+            self.fence.dropped(0, self.ranks.start)
         elif name == "admissions" and self.ranks.start == 0:
             self.roster.beat()
 
     def probe(self, stop: threading.Event) -> float | None:
-        """Every rank's watchdog probe (two tables, two beats apart): when the last is read
-        (None: stopped first, past the phase's budget)."""
-        for table in range(2):
-            if table:
-                time.sleep(PROBE_BEATS * BEAT_S)
-            for r in self.ranks:
-                # None: the store did not answer within the watchdog's 2 s (a false verdict)
-                if stop.is_set() or self.watchdogs[r]._table() is None:
+        """Every rank's watchdog through a hang, from two beats before its deadline: a prober
+        reads every heartbeat twice, two beats apart, and declares; every other rank, from the
+        deadline, looks for the verdict every beat (``_probers_verdict``) and, finding it,
+        declares the fault to the membership (``declare_fault``: the first wakes every rank). When the
+        node's last rank has the verdict (None: stopped first, past the phase's budget, or the
+        store did not answer a watchdog within its 2 s)."""
+        dogs = self.watchdogs
+        lead = PROBE_BEATS * BEAT_S
+        for dog in dogs.values():  # no step for the deadline less two beats: the probe is due
+            dog.last_progress = time.monotonic() - (dog.deadline_s() - lead)
+            dog.prober_beats = None
+        chosen = [r for r in self.ranks if r in probers(self.world)]
+        tables = {r: [dogs[r]._table()] for r in chosen}
+        if chosen:
+            time.sleep(lead)
+        for r in chosen:
+            tables[r].append(dogs[r]._table())
+            if None in tables[r]:
+                self.errors["a prober's table: the store did not answer within 2 s"] += 1
+                return None
+            dogs[r]._claim({"rank": None, "ranks": [], "reported_by": r, "last_step": 0,
+                            "reason": "simulated"})
+            declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}))
+        waiting = set(self.ranks) - set(chosen)
+        while waiting and not stop.is_set():
+            for r in sorted(waiting):
+                found = dogs[r]._probers_verdict()
+                if found == "probe":  # the probers stood still, or the store went silent
+                    self.errors["a follower would probe: the probers stood still, or the "
+                                "store did not answer within 2 s"] += 1
                     return None
+                if found != "wait":  # it declares to the membership, as _follow does
+                    declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}))
+                    waiting.discard(r)
+            if waiting:
+                stop.wait(BEAT_S)
+                for r in waiting:
+                    dogs[r].beats += 1  # the beat its own thread raised meanwhile
+        return None if waiting else time.time()
+
+    def agree(self, world: int, limit_s: float) -> float:
+        """The node's survivors' agreement, as recovery.py makes it: each declares the fault
+        (the first wakes everyone), checks in, and closes the membership, if it is one of the
+        watchers, or waits for it. When the node's last rank has it."""
+        try:
+            for r in self.ranks:
+                declare_fault(self.agreeing, "g0/", world, json.dumps({"rank": r}))
+                check_in(self.agreeing, "g0/", r, json.dumps(
+                    {"step": 1, "mid_step": False, "evaluated_step": 0}))
+            survivors = set(range(world))
+            for r in self.ranks:
+                if r in watchers(survivors):
+                    continue  # in a thread of its own (watch)
+                close_membership(self.agreeing, "g0/", survivors, [], Pulses(
+                    self.agreeing, {}, self.pulse_key(r)), limit_s, rank=r)
+        except RuntimeError as e:
+            self.errors[first_line(e)[:100]] += 1
+            return None
         return time.time()
 
-    def agree(self, rank: int, world: int, limit_s: float, keys: dict[int, str]) -> float:
-        """One survivor's agreement, as recovery.py makes it: it checks in, reads who is there by
-        their pulses, and closes (or reads) the membership. When it has it."""
+    def watch(self, rank: int, world: int, limit_s: float, port: int, counts: Counter,
+              lock: threading.Lock) -> float:
+        """A watcher's agreement (on a connection of its own): it reads every rank's identity
+        (where its pulse is), the check-ins and the pulses, closes the membership and decides,
+        reading the members' positions once."""
+        store = Counting(PrefixStore(LAUNCH, TCPStore("127.0.0.1", port, is_master=False,
+                                                      timeout=timedelta(seconds=300))),
+                         counts, lock, LAUNCH)
+        found = read_present(store, [f"g0/id/{r}" for r in range(world)])
+        keys = {r: pulse_key(Identity(**json.loads(found[f"g0/id/{r}"]))) for r in range(world)}
+
+        def decide(members: list[int]) -> dict[str, Any]:
+            positions = store.multi_get([f"g0/in/{r}" for r in members])
+            return {"step": max(json.loads(p)["step"] for p in positions)}
+
         try:
-            check_in(self.job, "g0/", rank, json.dumps({"step": 1, "mid_step": False,
-                                                        "evaluated_step": 0}))
-            pulses = Pulses(self.job, keys, self.pulse_key(rank))
-            close_membership(self.job, "g0/", set(range(world)), [], pulses, limit_s)
+            close_membership(store, "g0/", set(range(world)), [],
+                             Pulses(store, keys, self.pulse_key(rank)), limit_s, rank=rank,
+                             decide=decide)
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
             return None
@@ -266,8 +369,9 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     lock = threading.Lock()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a connection per node
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-    nodes = [Node(serial, ranks, world, port, counts, lock, f"node{serial}")
-             for serial, ranks in share]
+    folder = Path(tempfile.mkdtemp(prefix="scale-boards-"))  # the nodes' boards
+    nodes = [Node(serial, ranks, world, port, counts, lock, f"node{serial}", folder,
+                  plan["hang_timeout"]) for serial, ranks in share]
     for node in nodes:
         node.start()
     result: dict[str, Any] = {}
@@ -296,12 +400,14 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     # Steady state.
     barrier.wait()
     result["steady_from"] = time.time()
+    result["cpu"] = {"steady_from": time.process_time()}
     for t in steady_until(result["steady_from"] + plan["steady_s"]):
         t.join()
     result["steady_to"] = time.time()
     # A hang: the watchdogs probe while the heartbeats and pulses go on.
     barrier.wait()
     result["hang_from"] = time.time()
+    result["cpu"]["hang_from"] = time.process_time()
     deadline = result["hang_from"] + plan["budget_s"]
     background = steady_until(deadline)
     threads, probed = run_all(lambda n: n.probe(stop), lambda n: [()])
@@ -320,22 +426,26 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     barrier.wait()
     if plan["lost_node"] is None:
         result["lost_from"] = result["end"] = time.time()
+        result["cpu"]["lost_from"] = result["cpu"]["end"] = time.process_time()
         result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
         result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
         out.send(result)
         return
     result["lost_from"] = time.time()
+    result["cpu"]["lost_from"] = time.process_time()
     deadline = result["lost_from"] + plan["budget_s"]
     lost = plan["lost_node"]
     for node in nodes:
         if node.serial == lost:
             node.stopped.set()
     background = steady_until(deadline)
-    keys = {r: f"pulse/node{serial}/{1000 + r}/n{r}" for serial, ranks in plan["nodes"]
-            for r in ranks}
+    # Each node's survivors in a thread, each watcher in one of its own.
+    chosen = watchers(set(range(world)))
     threads, agreed = run_all(
-        lambda n, r: n.agree(r, world, plan["limit_s"], keys),
-        lambda n: [] if n.serial == lost else [(r,) for r in n.ranks])
+        lambda n, r: n.agree(world, plan["limit_s"]) if r is None else
+        n.watch(r, world, plan["limit_s"], port, counts, lock),
+        lambda n: [] if n.serial == lost else
+        [(None,)] + [(r,) for r in n.ranks if r in chosen])
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
     # -inf: this process simulates no survivor (the lost node alone).
@@ -345,8 +455,10 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     for t in background:
         t.join()
     result["end"] = time.time()
+    result["cpu"]["end"] = time.process_time()
     result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
     result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
+    shutil.rmtree(folder, ignore_errors=True)
     out.send(result)
 
 
@@ -370,6 +482,17 @@ def serve(port: int) -> subprocess.Popen:
             raise SystemExit(f"scale: the store did not start on port {port}")
         time.sleep(0.1)
     return proc
+
+
+def stop_serving(server: subprocess.Popen) -> None:
+    """Ends the store's process: SIGTERM, SIGKILL if it has not ended within 10 s (thousands of
+    connections to close)."""
+    server.terminate()
+    try:
+        server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        server.kill()
+        server.wait()
 
 
 def hammer(port: int, seconds: float, out: Any) -> None:
@@ -399,7 +522,7 @@ def model(ranks: int, per_node: int) -> dict[str, float]:
     """The steady operations a second that each component asks of the store, as the periods
     above make them: what the simulation should count where the machine drives it all."""
     nodes = math.ceil(ranks / per_node)
-    return {"pulses": ranks / PULSE_S, "heartbeats": ranks / BEAT_S,
+    return {"pulses": nodes / PULSE_S, "heartbeats": ranks / BEAT_S,
             "agents' polls": nodes / MONITOR_S,
             "agents' looks": 2 * nodes / (KEEP_ALIVE_S / 2),  # Liveness.dead: an add, a multi_get
             "keep-alives": nodes / KEEP_ALIVE_S, "fence": nodes / LEASE_BEAT_S,
@@ -416,9 +539,9 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
                  for serial, start in enumerate(range(0, ranks, per_node), start=1)]
         shares = [nodes[i::PROCESSES] for i in range(min(PROCESSES, len(nodes)))]
         # One node: nobody to go on; too many survivors for this machine: not simulated.
-        lost = nodes[-1][0] if 1 < len(nodes) and ranks - per_node <= MAX_AGREEING else None
+        lost = nodes[-1][0] if 1 < len(nodes) and len(nodes) - 1 <= MAX_AGREEING else None
         plan = {"steady_s": steady_s, "budget_s": budget_s, "lost_node": lost,
-                "nodes": nodes, "limit_s": hang_timeout}
+                "nodes": nodes, "limit_s": hang_timeout, "hang_timeout": hang_timeout}
         pipes = [mp.Pipe(duplex=False) for _ in shares]
         barrier = mp.Barrier(len(shares))
         procs = [mp.Process(target=simulate, args=(share, ranks, port, plan, barrier, w))
@@ -429,8 +552,7 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         for p in procs:
             p.join()
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        stop_serving(server)
     counts: Counter = Counter()
     for result in results:
         for kind, second, n in result["counts"]:
@@ -448,6 +570,15 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
     probed = [r["probed"] for r in results]
     agreed = [r.get("agreed") for r in results]
     ops_s = sum(steady) / max(len(steady), 1)
+
+    def busy(start: str, end: str) -> float:
+        """The share of this machine's cores the simulating processes used in a phase: near
+        1, its times are the machine's (its cores drive every simulated rank), not the
+        store's."""
+        cpu = sum(r["cpu"][end] - r["cpu"][start] for r in results)
+        wall = max(r[end] for r in results) - min(r[start] for r in results)
+        return cpu / max(wall, 1e-9) / (os.cpu_count() or 1)
+
     demanded = sum(model(ranks, per_node).values())
     return {
         "ranks": ranks, "nodes": len(nodes), "ranks_per_node": per_node,
@@ -463,6 +594,9 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
             hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + max(probed) - when("hang_from")),
         "agreed_s": None if lost is None or None in agreed else max(agreed) - when("lost_from"),
         "store_errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
+        "simulation_cpu_share": {"steady": busy("steady_from", "hang_from"),
+                                 "hang": busy("hang_from", "lost_from"),
+                                 "lost node": busy("lost_from", "end")},
     }
 
 
@@ -485,6 +619,11 @@ def table(rows: list[dict[str, Any]], cap: float) -> str:
                  f"({PROCESSES} client processes). The model's figure is what the job's periods "
                  "ask for; where the count falls short of it, this machine's cores could not "
                  "drive every simulated rank.")
+    lines.append("The simulating processes' share of the machine's cores (steady, hang, lost "
+                 "node): " + "; ".join(
+                     f"{r['ranks']} ranks " + ", ".join(
+                         f"{share:.0%}" for share in r["simulation_cpu_share"].values())
+                     for r in rows) + ".")
     for r in rows:
         if r["store_errors"]:
             lines.append(f"At {r['ranks']} ranks, {sum(r['store_errors'].values()):,} store "
@@ -498,10 +637,11 @@ def why_stopped(row: dict[str, Any], budget_s: float) -> list[str]:
     if row["hang_verdict_s"] is None:
         reasons.append(f"the hang's probes did not finish within {budget_s:g} s on this machine, "
                        "or a store call in them timed out")
-    survivors = row["ranks"] - row["ranks_per_node"]
+    survivors = row["nodes"] - 1
     if row["nodes"] > 1 and survivors > MAX_AGREEING:
-        reasons.append(f"the lost node was not simulated: {survivors:,} survivors agreeing, a "
-                       f"thread each, are more than this machine runs at once ({MAX_AGREEING:,})")
+        reasons.append(f"the lost node was not simulated: {survivors:,} surviving nodes "
+                       f"agreeing, a thread each, are more than this machine runs at once "
+                       f"({MAX_AGREEING:,})")
     elif row["nodes"] > 1 and row["agreed_s"] is None:
         reasons.append(f"the agreement did not finish within {budget_s:g} s, or a store call in "
                        "it timed out")
@@ -553,8 +693,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cap = capacity(port, PROCESSES, args.capacity_s)
     finally:
-        server.terminate()
-        server.wait(timeout=10)
+        stop_serving(server)
     print(f"scale: the store answers {cap:,.0f} operations a second here ({PROCESSES} clients)")
     rows, stopped = [], None
     for ranks in sizes:

@@ -265,6 +265,22 @@ def test_keep_alives_go_on_after_a_store_stall_and_a_dead_agent_is_seen_in_time(
         agents_.shutdown()
 
 
+def test_departures_are_read_each_once_and_one_unnamed_hides_none_after_it(store):
+    """An agent that shuts down is named in the order of departures: a reader reads each new
+    one once (asking every agent whether it left, whenever one did, was N² operations); one lost
+    between its count and its name is looked for again, and the ones after it are read."""
+    roster = Roster(store, "job")
+    for serial in (1, 2, 3, 4):
+        roster.keep_alive(serial)
+    reader = Liveness(Roster(store.clone(), "job"), 1, 3)
+    assert reader.dead([1, 2, 3, 4]) == set()
+    store.add(roster.key("gone"), 1)  # agent 2 counted itself and was lost before its name
+    roster.leave(3)
+    assert reader.dead([1, 2, 3, 4]) == {3} and reader.unread == {0}
+    store.set(roster.key("gone/at/0"), "2")  # named late
+    assert reader.dead([1, 2, 3, 4]) == {2, 3} and reader.unread == set()
+
+
 def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, make):
     """An agent whose workers failed, with no job running in process, moves the rendezvous to the
     next round and arrives there; the others' ``num_nodes_waiting()`` counts it, so they restart

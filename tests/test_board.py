@@ -5,6 +5,8 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 from datetime import timedelta
@@ -51,14 +53,21 @@ def test_nodes_of_one_name_in_folders_of_their_own_keep_records_of_their_own(tmp
 
 def test_an_agents_board_of_an_earlier_launch_is_removed_by_the_next(tmp_path, monkeypatch):
     """torchrun restarts an agent's workers as a new launch, whose board is a new file: the
-    last one's (its workers killed, none closed it) goes, another agent's stays."""
+    last one's (its workers killed, none closed it) goes, a live agent's stays, and the boards
+    of agents that have exited go."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    first = board_for("host", 42, "launch1", 2, 0)
-    other = board_for("host", 43, "launch1", 2, 0)
-    assert first.path.exists() and other.path.exists()
-    second = board_for("host", 42, "launch2", 2, 1)
-    assert not first.path.exists() and second.path.exists() and other.path.exists()
+    exited = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                            capture_output=True, text=True, check=True)
+    gone = int(exited.stdout)  # an agent that has exited
+    me, parent = os.getpid(), os.getppid()  # agents alive
+    first = board_for("host", me, "launch1", 2, 0)
+    other = board_for("host", parent, "launch1", 2, 0)
+    dead = NodeBoard(tmp_path / f"elastic-mnist-{os.getuid()}", f"host+{gone}+launch1", 1, 0)
+    elsewhere = NodeBoard(dead.path.parent, f"otherhost+{gone}+launch1", 1, 0)
+    second = board_for("host", me, "launch2", 2, 1)
     assert second.node != first.node
+    assert not first.path.exists() and not dead.path.exists()
+    assert second.path.exists() and other.path.exists() and elsewhere.path.exists()
 
 
 def beat_until_stopped(folder, slot: int) -> None:

@@ -50,7 +50,7 @@ def beside_the_checkpoints(directory) -> None:
     """The files that share the folder with the checkpoints: none of them is one."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / GENERATION_FILE).write_text(json.dumps(
-        {"launch": "l", "generation": 9, "kept": ["host/1/n"]}))
+        {"launch": "l", "generation": 9, "kept": "0-1"}))
     (directory / RUN_FILE).write_text(json.dumps({"run_id": "r", "restart_generation": 9}))
 
 

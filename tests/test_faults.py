@@ -390,8 +390,8 @@ class GoneStore:
 def test_only_the_first_and_last_ranks_probe_and_the_others_follow_their_verdict():
     """Of 5 ranks, 0 and 4 read the heartbeats. Rank 2, past its deadline, looks for their
     verdict: it waits while they beat on and nothing is declared, takes the verdict once
-    declared (no table read of its own), and reads the heartbeats itself only when a prober's
-    heartbeat stood still between two of its reads (the probers lost with the hang)."""
+    declared (no table read of its own), and reads the heartbeats itself only when both
+    probers' heartbeats stood still between two of its reads (lost with the hang)."""
     import datetime
 
     from torch.distributed import TCPStore
@@ -418,8 +418,9 @@ def test_only_the_first_and_last_ranks_probe_and_the_others_follow_their_verdict
         for r in (0, 4):
             dogs[r]._publish()  # the probers beat on
         assert follower._probers_verdict() == "wait"
-        dogs[0]._publish()  # rank 4 stood still: lost, or frozen, with the hang
-        assert follower._probers_verdict() == "probe"
+        dogs[0]._publish()  # rank 4 stood still: the hung rank, say; rank 0 will declare
+        assert follower._probers_verdict() == "wait"
+        assert follower._probers_verdict() == "probe"  # both stood still: nobody will
         record = {"rank": 3, "ranks": [3], "last_step": 7, "reported_by": 0, "reason": "r",
                   "silent": {}}
         assert dogs[0]._claim(record)

@@ -369,7 +369,7 @@ def test_a_rank_woken_at_its_bound_after_the_others_went_on_is_dropped(store, me
     woken.on_fallback = written.append
     survivor.declare("hung", [1])
     survivor.generation = 1
-    survivor._publish_current([survivor.identity])
+    survivor._publish_current([0])
     woken.recovery._give_up()
     assert (left, written) == ([EXIT_DROPPED], [])
     assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [DROPPED_LINE]
@@ -382,20 +382,19 @@ def test_the_fence_tells_a_dropped_rank_from_survivors_on_their_way(members, why
     (unless it left of its own accord: its last records are its own); a kept one still on its
     way is not; a later generation is never named over by an earlier one."""
     survivor, other = members(1, 3), members(2, 3)  # rank 0: another survivor, elsewhere
-    first = dataclasses.replace(survivor.identity, pid=1)
     assert survivor.dropped() is None and other.dropped() is None  # no generation named yet
     survivor.declare(why, [2])
     survivor.generation = 1  # rank 0 got there first
-    survivor._publish_current([first, survivor.identity])
+    survivor._publish_current([0, 1])
     survivor.generation = 0
     assert survivor.dropped() is None  # on its way to generation 1
     assert other.dropped() == (None if why == "left" else Over(
         "rank 2 was dropped from the job at generation 0 (the job is at 1): leaving without "
         "writing", EXIT_DROPPED))
     survivor.generation = 2
-    survivor._publish_current([first])
+    survivor._publish_current([0])
     survivor.generation = 1
-    survivor._publish_current([first, survivor.identity])  # late: changes nothing
+    survivor._publish_current([0, 1])  # late: changes nothing
     assert survivor.dropped().line.endswith("generation 1 (the job is at 2): leaving without "
                                             "writing")
 
@@ -427,7 +426,7 @@ def test_the_fence_fails_closed_for_a_dropped_rank_when_the_coordination_store_d
     events.emit("checkpoint", 1)
     survivor.declare("hung", [0])
     survivor.generation, survivor.env = 1, DistEnv(rank=0, world_size=1, launched=True)
-    survivor._publish_current([survivor.identity])  # the job goes on without rank 0
+    survivor._publish_current([1])  # the job goes on without rank 0
     survivor.close()
     del server  # the store's host is gone
     saver.maybe_save(lambda: state(2), 2)
@@ -459,10 +458,10 @@ def test_a_rank_still_in_the_job_commits_when_the_coordination_store_does_not_an
         other.declare("died", [1])
         for m in (member, other):
             m.generation = 1
-        member._publish_current([member.identity])
+        member._publish_current([0])
     elif named == "another launch's":
         (tmp_path / "generation.json").write_text(json.dumps(
-            {"launch": "an-earlier-launch", "generation": 7, "kept": ["elsewhere"]}))
+            {"launch": "an-earlier-launch", "generation": 7, "kept": "3"}))
     over: list[Over] = []
     fence = Fence(member.dropped, on_over=over.append)
     saver = Checkpointer(tmp_path, every=1, keep_last=2, restart_generation=0, fence=fence)
@@ -508,7 +507,7 @@ def test_processes_of_one_host_name_and_pid_have_pulses_and_places_of_their_own(
     assert silent == {1}
     live.declare("hung", [1])
     live.generation = 1
-    live._publish_current([live.identity])  # the job goes on without rank 1
+    live._publish_current([0])  # the job goes on without rank 1
     live.generation = 0
     assert live.dropped() is None
     assert stopped.dropped().line.startswith("rank 1 was dropped from the job at generation 0")

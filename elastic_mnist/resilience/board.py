@@ -59,9 +59,15 @@ class NodeBoard:
         self.slot, self.slots = slot, slots
         self.path = Path(folder) / name
         size = NONCE_BYTES + COUNT.size * slots
-        self._create(size)
-        with open(self.path, "r+b") as f:
-            self._map = mmap.mmap(f.fileno(), size)
+        for tries in range(2):  # another agent's cleanup may take it between the two
+            self._create(size)
+            try:
+                with open(self.path, "r+b") as f:
+                    self._map = mmap.mmap(f.fileno(), size)
+                break
+            except FileNotFoundError:
+                if tries:
+                    raise
         self.node = f"{name}/{self._map[:NONCE_BYTES].decode()}"
         """The node's name in the store: the file's, and the nonce of the first to make it."""
         self.key = record_key(self.node)
@@ -87,12 +93,17 @@ class NodeBoard:
         return [COUNT.unpack_from(self._map, NONCE_BYTES + COUNT.size * s)[0]
                 for s in range(self.slots)]
 
-    def beat(self) -> str | None:
-        """Raises this process's pulse; the node's record if this process speaks for the node
-        (the lowest slot whose pulse moves), else None."""
+    def raise_pulse(self) -> int:
+        """This process's pulse, one higher: its count now."""
         at = NONCE_BYTES + COUNT.size * self.slot
         mine = COUNT.unpack_from(self._map, at)[0] + 1
         COUNT.pack_into(self._map, at, mine)
+        return mine
+
+    def beat(self) -> str | None:
+        """Raises this process's pulse; the node's record if this process speaks for the node
+        (the lowest slot whose pulse moves), else None."""
+        mine = self.raise_pulse()
         counts = self.counts()
         for s, count in enumerate(counts):
             if self._seen.get(s, (None,))[0] != count:
@@ -114,13 +125,27 @@ class NodeBoard:
 
 def board_for(host: str, agent: int, launch: str, slots: int, slot: int) -> NodeBoard:
     """The board of the node whose agent is ``agent`` (a pid on ``host``), for ``launch``.
-    The boards of the agent's earlier launches (its workers restarted: none of them unlinked
-    it) are removed: a process still holding one keeps its own mapping."""
+    Boards nobody uses any more are removed: the agent's earlier launches' (its workers
+    restarted), and those of agents of this host that have exited (a job's workers leave
+    theirs as they end); a process still holding one keeps its own mapping."""
     folder = Path(tempfile.gettempdir()) / f"elastic-mnist-{os.getuid()}"
     name = f"{host}+{agent}+{launch or 'launch'}"  # no host name holds a "+"
     if folder.is_dir():
-        for earlier in folder.glob(f"{host}+{agent}+*"):
-            if earlier.name != name:
+        for earlier in folder.glob(f"{host}+*+*"):
+            owner = earlier.name.split("+")[1]
+            if not owner.isdigit() or earlier.name == name:
+                continue
+            if owner == str(agent) or not alive(int(owner)):
                 with contextlib.suppress(FileNotFoundError):
                     earlier.unlink()
     return NodeBoard(folder, name, slots, slot)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's
+        return True
+    return True

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from elastic_mnist.errors import EXIT_DROPPED, CannotTell, first_line
 from elastic_mnist.fsutil import atomic_write_bytes
-from elastic_mnist.resilience.agreement import Fault, generation_key
+from elastic_mnist.resilience.agreement import Fault, decode_ranks, encode_ranks, generation_key
 from elastic_mnist.resilience.fence import Over
 
 log = logging.getLogger(__name__)
@@ -38,12 +38,14 @@ class CurrentGeneration:
     def __init__(self, store: dist.Store, folder: Path | None, launch: str):
         self.store, self.folder, self.launch = store, folder, launch
 
-    def publish(self, generation: int, kept: list[str], mirror: bool) -> None:
-        """Names ``generation`` the job's current one, with the processes of the last that it
-        ``kept`` (their keys): every survivor writes the same, before the new group is built,
-        so before any of them commits in it; never over a later one. ``mirror``: this process
-        writes the checkpoint folder's copy (each node's local rank 0 of the generation)."""
-        value = json.dumps({"generation": generation, "kept": kept})
+    def publish(self, generation: int, kept: list[int], mirror: bool) -> None:
+        """Names ``generation`` the job's current one, with the ranks of the last that it
+        ``kept`` (written as their runs, ``"0-4095,4104-7999"``: each node's fence reads the
+        record every lease beat, and a list of every kept process was N·W bytes every 3 s):
+        every survivor writes the same, before the new group is built, so before any of them
+        commits in it; never over a later one. ``mirror``: this process writes the checkpoint
+        folder's copy (each node's local rank 0 of the generation)."""
+        value = json.dumps({"generation": generation, "kept": encode_ranks(kept)})
         found = ""
         while (found := self.store.compare_set(CURRENT, found, value).decode()) != value:
             if json.loads(found)["generation"] >= generation:
@@ -67,8 +69,8 @@ class CurrentGeneration:
             log.warning("could not mirror generation %d into %s: %s", generation,
                         self.folder / GENERATION_FILE, e.strerror or e)
 
-    def dropped(self, generation: int, rank: int, me: str) -> Over | None:
-        """Why the process ``me``, ``rank`` of ``generation``, is no longer one of the job's
+    def dropped(self, generation: int, rank: int) -> Over | None:
+        """Why the process that is ``rank`` of ``generation`` is no longer one of the job's
         ranks (the survivors of a fault went on in a generation without it), or None while it
         is, or is on its way to the current generation as one of the processes it kept, or left
         it of its own accord (its last records are its own).
@@ -82,23 +84,23 @@ class CurrentGeneration:
             if not store.check([CURRENT]):
                 return None
             current = json.loads(store.get(CURRENT))
-            if still_in(current, generation, me):
+            if still_in(current, generation, rank):
                 return None
             key = generation_key(generation, "fault")
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
-            return self._dropped_by_file(generation, rank, me, e)
+            return self._dropped_by_file(generation, rank, e)
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(dropped_line(rank, generation, f"the job is at {current['generation']}"),
                     EXIT_DROPPED)
 
-    def _dropped_by_file(self, generation: int, rank: int, me: str,
-                         error: RuntimeError) -> Over:
+    def _dropped_by_file(self, generation: int, rank: int, error: RuntimeError) -> Over:
         """Why this process was dropped, as the checkpoint folder's ``GENERATION_FILE`` says it
         while the store does not answer; CannotTell when it does not say so."""
         found = read_generation_file(self.folder) if self.folder is not None else None
-        if found is None or found.get("launch") != self.launch or still_in(found, generation, me):
+        if found is None or found.get("launch") != self.launch \
+                or still_in(found, generation, rank):
             raise CannotTell(f"rank {rank} cannot tell whether it is still one of the job's "
                              f"ranks: the coordination store does not answer "
                              f"({first_line(error)}), and {GENERATION_FILE} names no later "
@@ -115,11 +117,11 @@ def dropped_line(rank: int, generation: int, why: str) -> str:
             f"without writing")
 
 
-def still_in(current: dict[str, Any], generation: int, me: str) -> bool:
-    """Whether the job's ``current`` generation (``{"generation", "kept"}``) leaves the process
-    ``me`` of ``generation`` one of its ranks: it is no later, or the next one, which kept it."""
-    return current["generation"] <= generation or (current["generation"] == generation + 1
-                                                   and me in current["kept"])
+def still_in(current: dict[str, Any], generation: int, rank: int) -> bool:
+    """Whether the job's ``current`` generation (``{"generation", "kept"}``) leaves ``rank`` of
+    ``generation`` one of its ranks: it is no later, or the next one, which kept it."""
+    return current["generation"] <= generation or (
+        current["generation"] == generation + 1 and rank in decode_ranks(current["kept"]))
 
 
 def read_generation_file(folder: Path) -> dict[str, Any] | None:
@@ -129,5 +131,5 @@ def read_generation_file(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return None
     ok = isinstance(found, dict) and isinstance(found.get("generation"), int) \
-        and isinstance(found.get("kept"), list)
+        and isinstance(found.get("kept"), str)
     return found if ok else None

@@ -430,9 +430,10 @@ class Membership(NullMembership):
     def fall_back(self, reason: str) -> None:
         self.recovery.fall_back(reason)
 
-    def move_on(self, change: Change, kept: list[Identity]) -> None:
+    def move_on(self, change: Change, kept: list[Identity], kept_ranks: list[int]) -> None:
         """Leaves the failed group to its threads and moves to ``change``'s generation, of the
-        processes ``kept``: named the job's current one, and watched."""
+        processes ``kept`` (the last generation's ``kept_ranks``, and the joiners of a grow):
+        named the job's current one, and watched."""
         # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
         # acts in it or not at all.
         woken = None if self.joining else self.key(f"wake/{self.env.rank}")
@@ -456,15 +457,15 @@ class Membership(NullMembership):
                 len(self.agents - self.joined_agents)
             self.gone_agents += before - len(agents - self.joined_agents)
         self.agents = agents
-        self._publish_current(kept)
+        self._publish_current(kept_ranks)
         self._start_generation()
 
     # --- the job's current generation, for the fence (current.py) ---------------------------------
 
-    def _publish_current(self, kept: list[Identity]) -> None:
-        """Names this generation the job's current one, with the processes of the last that it
+    def _publish_current(self, kept: list[int]) -> None:
+        """Names this generation the job's current one, with the ranks of the last that it
         ``kept`` (see :meth:`CurrentGeneration.publish`)."""
-        self.current.publish(self.generation, [i.key for i in kept],
+        self.current.publish(self.generation, kept,
                              mirror=self.env.local_rank == 0)
 
     def dropped(self) -> Over | None:
@@ -472,7 +473,7 @@ class Membership(NullMembership):
         :meth:`CurrentGeneration.dropped`."""
         if self.joining:  # no rank of any generation yet: nothing to be dropped from
             return None
-        return self.current.dropped(self.generation, self.env.rank, self.identity.key)
+        return self.current.dropped(self.generation, self.env.rank)
 
     def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
         """The generation, and the agents of its ranks as the rendezvous names them (name, pid);

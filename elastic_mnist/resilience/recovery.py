@@ -249,7 +249,8 @@ class Recovery:
                         members: list[int]) -> None:
         """Leaves the failed group to its threads and joins the survivors' new one."""
         m = self.member
-        m.move_on(change, [identities[r] for r in members])
+        m.move_on(change, [identities[r] for r in members],
+                  list(range(change.old_world_size)) if change.kind == "grow" else members)
         self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
         # The group is built in a thread, and made the default one here, in the training
         # thread, only once it is complete: a creation given up on (a member frozen) may still
@@ -306,8 +307,7 @@ class Recovery:
         finished = threading.Event()
         guarded.add_done_callback(lambda _: finished.set())
         # The generation's watchers read its members' pulses; every other member waits.
-        members = {r: key for r, key in self._pulse_keys.items()
-                   if m.env.rank in watchers(self._pulse_keys)}
+        members = self._pulse_keys if m.env.rank in watchers(self._pulse_keys) else {}
         pulses = Pulses(m.store, members, m.pulse_key) if members else None
         while not finished.wait(PULSE_S):
             try:

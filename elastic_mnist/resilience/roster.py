@@ -5,7 +5,8 @@ Every key lives under ``P = "elastic_mnist/<run_id>/rdzv/"`` on the raw store (n
 
 - ``P agents``: a counter; each agent process (an *incarnation*) takes its serial from it.
   ``P agent/<n>``: what it is (:class:`AgentRecord`). ``P alive/<n>``: its keep-alive counter,
-  raised every ``keep_alive_interval`` while the agent process lives. ``P gone/<n>``: it shut down.
+  raised every ``keep_alive_interval`` while the agent process lives. ``P gone/<n>``: it shut down;
+  ``P gone`` counts those that did, and ``P gone/at/<k>`` names them in order.
   ``P waiting/<n>``: ``1`` while it waits to enter a running job (else ``0``).
 - ``P round``: the round agents meet in now (0 at first). A round's arrivals:
   ``P round/<r>/count`` and ``P round/<r>/arrived/<k>`` (serials, in arrival order); its members,
@@ -175,16 +176,29 @@ class Roster:
         return [int(v) for v in self.store.multi_get([self.key(f"alive/{n}") for n in serials])]
 
     def leave(self, serial: int) -> None:
-        """Agent ``serial`` shut down: nobody waits for it from now on."""
+        """Agent ``serial`` shut down: nobody waits for it from now on. Its place in the order
+        of departures (``P gone/at/<k>``) is what the others read as the count grows."""
         self.store.set(self.key(f"gone/{serial}"), "1")
-        self.store.add(self.key("gone"), 1)
+        n = self.store.add(self.key("gone"), 1)
+        self.store.set(self.key(f"gone/at/{n - 1}"), str(serial))
 
     def gone_count(self) -> int:
-        """How many agents shut down: a reader asks :meth:`is_gone` again only when it moved."""
+        """How many agents shut down."""
         return self._count("gone")
 
     def is_gone(self, serial: int) -> bool:
         return self.store.check([self.key(f"gone/{serial}")])
+
+    def departures(self, places: list[int]) -> dict[int, int]:
+        """The serials of departures at ``places`` in their order, of those written yet (one
+        lost between its count and its name is not): two operations where all are."""
+        keys = {self.key(f"gone/at/{k}"): k for k in places}
+        if not keys:
+            return {}
+        present = list(keys) if self.store.check(list(keys)) else [
+            key for key in keys if self.store.check([key])]
+        values = self.store.multi_get(present) if present else []
+        return {keys[key]: int(v) for key, v in zip(present, values, strict=True)}
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -370,19 +384,27 @@ class Liveness:
         self.roster = roster
         self.watch = Watch(roster.store, roster.key(f"alive/{own}"), max_attempt)
         self.gone: set[int] = set()
-        self.asked: set[int] = set()
-        """Serials asked about since the count of those gone last moved."""
-        self.gone_count = -1
+        self.unread: set[int] = set()
+        """Places in the order of departures counted but not read yet."""
+        self.counted = 0
+        self.asked_for: set[int] = set()
+        """The unread places when the agents were last asked one by one."""
 
     def dead(self, serials: list[int]) -> set[int]:
-        serials = sorted(set(serials))
+        # The departures since the last look, each read once: asking every agent of the job
+        # whether it left, whenever one did, was N operations for each of N agents.
         count = self.roster.gone_count()
-        if count != self.gone_count:
-            self.gone_count, self.asked = count, set()
-        for n in set(serials) - self.asked - self.gone:
-            if self.roster.is_gone(n):
-                self.gone.add(n)
-        self.asked |= set(serials)
+        self.unread |= set(range(self.counted, count))
+        self.counted = max(self.counted, count)
+        found = self.roster.departures(sorted(self.unread))
+        self.gone |= set(found.values())
+        self.unread -= set(found)
+        serials = sorted(set(serials))
+        if self.unread and self.unread != self.asked_for:
+            # A departure counted and not named (its agent lost between the two writes): the
+            # agents asked about are asked once, each, whether they left.
+            self.asked_for = set(self.unread)
+            self.gone |= {n for n in serials if n not in self.gone and self.roster.is_gone(n)}
         keys = {n: self.roster.key(f"alive/{n}") for n in serials}
         _, still = self.watch.look(list(keys.values()))
         return {n for n, key in keys.items() if key in still or n in self.gone}

@@ -23,7 +23,8 @@ never silences both. Every other
 rank, once its own deadline has passed, looks for their verdict every beat: two
 reads of every heartbeat by every rank were the job's quadratic traffic (at 8,000 ranks, more
 than the store answers in the watchdog's 2 s). A rank that finds the probers' own heartbeats
-standing still, or the store silent, reads the heartbeats itself, as a prober does.
+standing still (both of them: one may be the hung rank, and the other then declares), or the
+store silent, reads the heartbeats itself, as a prober does.
 
 Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl
 and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM);
@@ -195,6 +196,8 @@ class Watchdog(NullWatchdog):
         self.last_progress = time.monotonic()
         self.beats = 0
         self.prober = env.rank in probers(env.world_size)
+        self.silent_looks = 0
+        """This rank's looks in a row that the store did not answer."""
         self.prober_beats: dict[int, int] | None = None
         """The probers' beats at this rank's last look for their verdict."""
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
@@ -214,7 +217,11 @@ class Watchdog(NullWatchdog):
         if self.armed:
             self.recent.append(seconds)
         else:  # the first step (compiling, warming up) is no measure of the others
-            self.peers = (self._table() or {}) if self.prober else {}
+            # Who and where each is, to kill it if it stops: a prober reads every rank's; any
+            # other rank its own node's (ranks are numbered node by node), the ones it can kill.
+            first = self.env.rank - self.env.local_rank
+            self.peers = self._table(None if self.prober else
+                                     range(first, first + self.env.local_world_size)) or {}
             self.armed = True
 
     @contextlib.contextmanager
@@ -308,8 +315,8 @@ class Watchdog(NullWatchdog):
     def _probers_verdict(self) -> dict[str, Any] | str:
         """A rank that does not probe, past its deadline: the probers' verdict, once declared
         (looked for every beat); ``wait`` while the probers beat on and nothing is declared yet;
-        ``probe`` when this rank must read the heartbeats itself: a prober's heartbeat stood
-        still between two reads of them (every PROBE_BEATS beats), or the store does not
+        ``probe`` when this rank must read the heartbeats itself: both probers' heartbeats
+        stood still between two reads of them (every PROBE_BEATS beats), or the store does not
         answer."""
         if time.monotonic() - self.last_progress < self.deadline_s():
             return "wait"
@@ -321,14 +328,18 @@ class Watchdog(NullWatchdog):
             keys = [f"{PREFIX}{rank}" for rank in probers(self.env.world_size)]
             beats = {Heartbeat(**json.loads(v)).rank: Heartbeat(**json.loads(v)).beat
                      for v in read_present(self.store, keys, self._call).values()}
-        except StoreSilent:
-            return "probe"
+        except StoreSilent:  # twice in a row: a store loaded by the hang answers late once
+            self.silent_looks += 1
+            return "probe" if self.silent_looks >= 2 else "wait"
+        self.silent_looks = 0
         last, self.prober_beats = self.prober_beats, beats
         if last is None:
             return "wait"
-        stood = [rank for rank in probers(self.env.world_size)
-                 if beats.get(rank) == last.get(rank)]
-        return "probe" if stood else "wait"
+        # One prober standing still may be the hung rank itself: the other declares. Both
+        # standing still, nobody will.
+        moved = [rank for rank in probers(self.env.world_size)
+                 if rank in beats and beats[rank] != last.get(rank)]
+        return "wait" if moved else "probe"
 
     def _follow(self, record: dict[str, Any]) -> None:
         """The probers' verdict, found by a rank that does not probe: it kills the stopped
@@ -346,6 +357,10 @@ class Watchdog(NullWatchdog):
                                             silent))
         if self.go_on_without is not None and suspects and self.env.rank not in suspects:
             self.close(wait=False)
+            # Declared to the membership as the prober does: the prober may be lost, or held
+            # (writing its event), between its claim and its declaration. The first declarer
+            # wakes every rank; this one then returns at once.
+            self.go_on_without(suspects, record.get("reason", ""))
             return
         self._exit()
 
@@ -364,9 +379,9 @@ class Watchdog(NullWatchdog):
         return (self.armed and not self.busy_with and not self._stop.is_set()
                 and time.monotonic() - self.last_progress > self.deadline_s() - lead)
 
-    def _table(self) -> dict[int, Heartbeat] | None:
-        """Every rank's heartbeat, None if the store does not answer."""
-        keys = [f"{PREFIX}{rank}" for rank in range(self.env.world_size)]
+    def _table(self, ranks: range | None = None) -> dict[int, Heartbeat] | None:
+        """Every rank's heartbeat (those of ``ranks``), None if the store does not answer."""
+        keys = [f"{PREFIX}{rank}" for rank in (ranks or range(self.env.world_size))]
         try:
             values = read_present(self.store, keys, self._call).values()
         except StoreSilent:
@@ -423,6 +438,7 @@ class Watchdog(NullWatchdog):
         # the fence is asked): the generation is over, and so is this verdict.
         if self._fenced() or self._stop.is_set():
             return
+        self._publish()  # a prober's beat moves as it declares: the others wait for it
         waited = time.monotonic() - self.last_progress
         record = {"rank": verdict.suspects[0] if verdict.suspects else None,
                   "ranks": verdict.suspects, "last_step": self.step,
