@@ -36,6 +36,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from elastic_mnist.resilience.agreement import read_present
+
 KEEP_ALIVE_S = 5.0
 """``keep_alive_interval`` unless ``--rdzv_conf`` says otherwise (torch's c10d default)."""
 KEEP_ALIVE_ATTEMPTS = 3
@@ -193,12 +195,7 @@ class Roster:
         """The serials of departures at ``places`` in their order, of those written yet (one
         lost between its count and its name is not): two operations where all are."""
         keys = {self.key(f"gone/at/{k}"): k for k in places}
-        if not keys:
-            return {}
-        present = list(keys) if self.store.check(list(keys)) else [
-            key for key in keys if self.store.check([key])]
-        values = self.store.multi_get(present) if present else []
-        return {keys[key]: int(v) for key, v in zip(present, values, strict=True)}
+        return {keys[key]: int(v) for key, v in read_present(self.store, list(keys)).items()}
 
     # --- rounds ------------------------------------------------------------------------------
 

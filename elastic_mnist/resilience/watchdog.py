@@ -326,8 +326,9 @@ class Watchdog(NullWatchdog):
             if self.beats % PROBE_BEATS:
                 return "wait"
             keys = [f"{PREFIX}{rank}" for rank in probers(self.env.world_size)]
-            beats = {Heartbeat(**json.loads(v)).rank: Heartbeat(**json.loads(v)).beat
-                     for v in read_present(self.store, keys, self._call).values()}
+            beats = {beat.rank: beat.beat for beat in (
+                Heartbeat(**json.loads(v))
+                for v in read_present(self.store, keys, self._call).values())}
         except StoreSilent:  # twice in a row: a store loaded by the hang answers late once
             self.silent_looks += 1
             return "probe" if self.silent_looks >= 2 else "wait"
