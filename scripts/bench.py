@@ -568,13 +568,16 @@ def save_costs(step_seconds: dict[int, float], saves: list[tuple[int, float]]) -
     """What each save cost the loop, in seconds: the steps it touched (the one it follows, whose
     window holds the save's blocking part, and those its background write overlapped) against
     the median step among the NEIGHBOURS around them. ``saves``: (step, seconds from the end of
-    that step to the write's commit)."""
+    that step to the write's commit). A save whose write outlasted the run's remaining steps (a
+    loaded machine) has no steps after it to compare with: it is left out."""
     costs = []
     for step, commit_s in saves:
         around = [step_seconds[j] for j in range(step - NEIGHBOURS + 1, step + 1)]
         typical = statistics.median(around)
         touched = range(step + 1, step + 2 + int(commit_s / typical))
         after = range(touched[-1] + 1, touched[-1] + 1 + NEIGHBOURS)
+        if after[-1] not in step_seconds:
+            continue
         typical = statistics.median(around + [step_seconds[j] for j in after])
         costs.append(sum(step_seconds[j] - typical for j in touched))
     return costs
@@ -603,6 +606,8 @@ def measure_checkpoint(b: Bench) -> dict[str, float]:
         raise ContenderFailed(f"no checkpoint to measure in {run_dir}")
     costs = save_costs(step_seconds, [(e["step"], event_time(e) - ended[e["step"]])
                                       for e in saves])
+    if not costs:
+        raise ContenderFailed(f"every save in {run_dir} outlasted the steps after it")
     interval_s = every * statistics.median(step_seconds.values())
     return {"ckpt_blocking_ms": statistics.median(e["blocking_ms"] for e in saves),
             "ckpt_cost_ms": 1e3 * statistics.median(costs), "ckpt_interval_s": interval_s,

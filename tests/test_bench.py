@@ -113,6 +113,9 @@ def test_a_save_costs_the_steps_it_touched_over_their_neighbours():
     steps[43] += 0.050  # a hiccup of the machine, after the write was committed
     costs = bench.save_costs(steps, [(40, 0.031)])
     assert costs == [pytest.approx(0.006)]
+    # A write that outlasted the run's remaining steps (a loaded machine): nothing after it to
+    # compare with, so it is left out, not read past the run's last step.
+    assert bench.save_costs(steps, [(40, 0.031), (80, 1.0)]) == [pytest.approx(0.006)]
 
 
 def test_table_judges_targets_on_the_median():
