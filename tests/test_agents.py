@@ -32,7 +32,13 @@ from torch.distributed.elastic.utils.store import barrier
 
 from elastic_mnist.resilience import agents
 from elastic_mnist.resilience.agents import AgentsHandler, GracefulExit, Settings
-from elastic_mnist.resilience.roster import JobRecord, Liveness, Roster
+from elastic_mnist.resilience.roster import (
+    LOOKED_AT_S,
+    JobRecord,
+    Liveness,
+    Roster,
+    look_interval,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -279,6 +285,32 @@ def test_departures_are_read_each_once_and_one_unnamed_hides_none_after_it(store
     assert reader.dead([1, 2, 3, 4]) == {3} and reader.unread == {0}
     store.set(roster.key("gone/at/0"), "2")  # named late
     assert reader.dead([1, 2, 3, 4]) == {2, 3} and reader.unread == set()
+
+
+def test_an_agent_reads_no_more_than_16_keep_alives_a_second_while_its_workers_run(store,
+                                                                                   make):
+    """Between rounds, each agent looks at the job's agents' keep-alives (to know the dead at
+    the exit barrier) twice per keep-alive interval, and no more than LOOKED_AT_S keep-alives a
+    second: each of N agents reading all N every 2.5 s was N² reads (make scale)."""
+    assert look_interval(5.0, 4) == look_interval(5.0, 40) == 2.5
+    assert look_interval(5.0, 1000) == 1000 / LOOKED_AT_S
+    agent = make("1", keep_alive_interval=5)()
+    [info] = rendezvous([agent])
+    assert ranks([info]) == [(0, 1)]
+    roster = Roster(store, "job")
+    nodes = [agent.serial] + [agent.serial + n for n in range(1, 200)]
+    for serial in nodes[1:]:
+        roster.keep_alive(serial)
+    roster.publish_job(JobRecord(round=agent.round, launch="x", generation=1, nodes=nodes,
+                                 world_size=200, in_process=True, run_id="job", finished=False))
+    looked = time.monotonic()
+    agent.num_nodes_waiting()
+    assert agent.next_look - looked == pytest.approx(200 / LOOKED_AT_S, abs=0.5)
+    read = agent.liveness.watch.seen.copy()
+    assert len(read) == 200
+    roster.keep_alive(nodes[5])  # a look now would see it move
+    agent.num_nodes_waiting()  # not due: nothing read
+    assert agent.liveness.watch.seen == read
 
 
 def test_restart_path_moves_the_round_and_the_others_count_the_waiting(store, make):

@@ -60,7 +60,13 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from elastic_mnist.errors import first_line
 from elastic_mnist.rendezvous import DEFAULT_PORT
 from elastic_mnist.resilience import roster as rs
-from elastic_mnist.resilience.roster import AgentRecord, Liveness, Roster, Watch
+from elastic_mnist.resilience.roster import (
+    AgentRecord,
+    Liveness,
+    Roster,
+    Watch,
+    look_interval,
+)
 
 log = logging.getLogger(__name__)
 
@@ -320,14 +326,17 @@ class AgentsHandler(RendezvousHandler):
         """Agents waiting in the next round: torch's agent restarts its workers for them.
 
         torch's agent asks every ``--monitor_interval`` while its workers run: at most twice per
-        keep-alive interval, this agent then also looks at the keep-alives of the job's agents,
-        so that it knows the dead ones when it reaches the exit barrier."""
+        keep-alive interval (less often beyond 40 agents: :func:`look_interval`), this agent
+        then also looks at the keep-alives of the job's agents, so that it knows the dead ones
+        when it reaches the exit barrier."""
         if self.round is None:
             return 0
         if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (_linger)
             waiting = self.roster.waiting_agents() if self.server is not None else []
-            self.liveness.dead(self._exit_expected() + waiting)
-            self.next_look = time.monotonic() + self.settings.keep_alive_interval_s / 2
+            judged = self._exit_expected() + waiting
+            self.liveness.dead(judged)
+            self.next_look = time.monotonic() + look_interval(
+                self.settings.keep_alive_interval_s, len(judged))
         return self.roster.waiting(self.round)
 
     def shutdown(self) -> bool:

@@ -42,6 +42,9 @@ KEEP_ALIVE_S = 5.0
 """``keep_alive_interval`` unless ``--rdzv_conf`` says otherwise (torch's c10d default)."""
 KEEP_ALIVE_ATTEMPTS = 3
 """``keep_alive_max_attempt`` unless ``--rdzv_conf`` says otherwise (torch's c10d default)."""
+LOOKED_AT_S = 16
+"""Keep-alives an agent reads a second, at most, to keep its judgement of the others fresh while
+its workers run (:func:`look_interval`)."""
 START_UP_S = 120.0
 """How long an agent that came after its round closed waits for the round's job to be published
 (its workers start: they import torch, read the data, form their group) before it moves every node
@@ -371,6 +374,17 @@ class Watch:
         counted in the reader's own keep-alives of ``interval_s`` (never fewer than
         ``max_attempt`` of them)."""
         self.max_attempt = max(self.max_attempt, math.ceil(seconds / interval_s))
+
+
+def look_interval(keep_alive_s: float, agents: int) -> float:
+    """How long an agent waits between two looks at the keep-alives of the job's ``agents``
+    while its workers run: half a keep-alive interval, and no more than LOOKED_AT_S keep-alives
+    a second. Each of N agents reading all N every 2.5 s was N² reads (400,000 a second at
+    1,000 nodes: the store's heaviest work, which doubled its answers' wait, ``make scale``);
+    this is at most LOOKED_AT_S N. The cost: where an agent dies just before the others reach
+    the exit barrier, they may find it dead up to a look later than they would (the barrier's
+    own looks then judge it, within ``max_attempt`` keep-alives)."""
+    return max(keep_alive_s / 2, agents / LOOKED_AT_S)
 
 
 class Liveness:
