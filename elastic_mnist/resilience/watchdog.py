@@ -371,7 +371,8 @@ class Watchdog(NullWatchdog):
                          busy=self.busy_with, where=training_thread_position(self.training_thread),
                          waiting=self.waiting_for_peers, **self.identity)
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
-            self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(asdict(beat)))
+            # Its fields are plain values: ``vars``, not ``asdict``'s deep copy of each.
+            self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(vars(beat)))
 
     def _probe_due(self) -> bool:
         """The probe's two reads take PROBE_BEATS beats: they start that long before the
