@@ -35,9 +35,13 @@ from elastic_mnist.resilience.agreement import (
     Fault,
     Identity,
     Pulses,
+    backup_watchers,
     close_membership,
+    declare_fault,
     decode_ranks,
     encode_ranks,
+    node_sizes,
+    placed_env,
     pulse_key,
     successor_env,
     watchers,
@@ -184,7 +188,6 @@ def test_an_arrival_lost_before_it_named_itself_hides_none_after_it(store, pulse
     ranks that come after it are read all the same (its pulse stops: it is left out), and the
     one that comes late, while the others already look, is read at its arrival."""
     check_in(store, 0)
-    store.set("g0/in/1", "{}")
     store.add("g0/arrivals", 1)  # rank 1's count, never its name
     check_in(store, 2)
     late = threading.Timer(0.3, check_in, (store.clone(), 3))
@@ -200,9 +203,8 @@ def test_an_arrival_that_names_itself_late_is_read_when_it_does(store, pulses):
     """Rank 1 counts itself among the arrivals and, starved of CPU, writes its name only later:
     its pulse moves, so the others wait for it, and read it at its name, not at the limit."""
     check_in(store, 0)
-    store.set("g0/in/1", "{}")
     store.add("g0/arrivals", 1)  # rank 1's count; its name comes 0.5 s later
-    named = threading.Timer(0.5, store.clone().set, ("g0/arrived/1", "1"))
+    named = threading.Timer(0.5, store.clone().set, ("g0/arrived/1", "1 {}"))
     named.start()
     start = time.monotonic()
     members = close_membership(store, "g0/", expected={0, 1}, excluded=[],
@@ -219,8 +221,9 @@ def test_a_rank_named_in_the_fault_is_left_out_even_if_it_comes(store, pulses):
 
 
 def test_only_the_watchers_look_and_every_other_survivor_takes_their_record(store, pulses):
-    """Of 5 survivors, ranks 0, 2 and 4 watch; rank 1 waits for their record in one operation
-    (it never looks at the check-ins, nor reads a pulse) and takes what the watcher decided."""
+    """Of 5 survivors, ranks 0, 2 and 4 watch; rank 1 waits for their record, then reads it: two
+    operations (it never looks at the check-ins, nor reads a pulse), and takes what the watcher
+    decided."""
     assert watchers({0, 1, 2, 3, 4}) == [0, 2, 4] and watchers([7]) == [7]
     counted = CountingStore(store.clone())
     waiting: list[dict] = []
@@ -231,19 +234,64 @@ def test_only_the_watchers_look_and_every_other_survivor_takes_their_record(stor
         check_in(store, rank)
     decided = close_membership(store, "g0/", {0, 1, 2, 3, 4}, [], pulses(0, 1, 2, 3, 4),
                                limit_s=30, rank=4,
-                               decide=lambda members: {"members": members[:-1], "step": 7})
+                               decide=lambda members, _: {"members": members[:-1], "step": 7})
     follower.join(10)
     assert decided == waiting[0] == {"members": [0, 1, 2, 3], "step": 7}
-    assert counted.calls == ["wait", "check", "get"]
+    assert counted.calls == ["wait", "get"]
 
 
-def test_a_survivor_closes_the_membership_itself_when_no_watcher_does(store, pulses):
-    for rank in (1, 3):
+def test_the_first_declarer_wakes_every_rank_and_only_the_watchers_confirm_it(store, monkeypatch):
+    """The first declaration writes every rank's wake key, then ``woken``; a later one returns
+    the first's fault in one operation, or two for a watcher, which looks that the waking was
+    done (and does it itself where the first was lost between its writes)."""
+    first = CountingStore(store.clone())
+    assert declare_fault(first, "g0/", 4, '{"by": 1}') == '{"by": 1}'
+    assert first.calls == ["compare_set", "multi_set", "set"]
+    assert store.multi_get([f"g0/wake/{r}" for r in range(4)]) == [b"fault"] * 4
+    later, watcher = CountingStore(store.clone()), CountingStore(store.clone())
+    assert declare_fault(later, "g0/", 4, '{"by": 2}', confirm=False) == '{"by": 1}'
+    assert declare_fault(watcher, "g0/", 4, '{"by": 3}') == '{"by": 1}'
+    assert later.calls == ["compare_set"] and watcher.calls == ["compare_set", "check"]
+    store.compare_set("g1/fault", "", '{"by": 1}')  # the first lost before it woke anyone
+    lost = CountingStore(store.clone())
+    monkeypatch.setattr("elastic_mnist.resilience.agreement.WOKEN_WAIT",
+                        datetime.timedelta(seconds=0.2))
+    assert declare_fault(lost, "g1/", 2, '{"by": 0}') == '{"by": 1}'
+    assert store.multi_get(["g1/wake/0", "g1/wake/1", "g1/woken"]) == [b"fault", b"fault", b"1"]
+
+
+def test_the_backups_close_the_membership_when_no_watcher_does(store, pulses):
+    """Of 7 survivors, the watchers 0, 3 and 6 are lost: the backups (1, 2 and 5) close it a
+    second past the limit; rank 4 waits for their record, never reading the check-ins itself."""
+    expected = set(range(7))
+    assert watchers(expected) == [0, 3, 6] and backup_watchers(expected) == [1, 2, 5]
+    for rank in (1, 2, 4, 5):
         check_in(store, rank)
+    counted = CountingStore(store.clone())
+    waiting: list[dict] = []
+    follower = threading.Thread(target=lambda: waiting.append(close_membership(
+        counted, "g0/", expected, [], pulses(1, 2), limit_s=1, rank=4)))
+    follower.start()
     start = time.monotonic()
-    assert close_membership(store, "g0/", {0, 1, 2, 3, 4}, [], pulses(1, 3), limit_s=1,
-                            rank=1)["members"] == [1, 3]  # 0, 2 and 4 were lost, watchers all
-    assert 1 <= time.monotonic() - start < 10
+    assert close_membership(store, "g0/", expected, [], pulses(1, 2), limit_s=1,
+                            rank=5)["members"] == [1, 2, 4, 5]
+    assert 2 <= time.monotonic() - start < 10
+    follower.join(10)
+    assert waiting == [{"members": [1, 2, 4, 5]}]
+    assert counted.calls == ["wait", "wait", "get"]
+
+
+def test_the_backups_are_on_other_nodes_than_the_watchers():
+    """Ranks are numbered node by node: the watchers' neighbours share their nodes and fall
+    with them. From five nodes of a size on, the backups are on other nodes (two of them at
+    five, the two nodes the watchers leave), from six on, on three."""
+    for nodes in (5, 6, 7, 9, 125, 1000):
+        for size in (1, 2, 8):
+            ranks = range(nodes * size)
+            first = {r // size for r in watchers(ranks)}
+            backups = {r // size for r in backup_watchers(ranks)}
+            assert not first & backups and len(backups) == (2 if nodes < 6 else 3), \
+                (nodes, size, first, backups)
 
 
 def test_a_membership_is_written_as_its_runs_of_ranks():
@@ -275,6 +323,34 @@ def test_survivors_are_renumbered_in_the_order_of_their_old_ranks():
     first = successor_env(DistEnv(rank=1, world_size=5, local_rank=1, local_world_size=2,
                                   launched=True), [1, 4], identities)
     assert (first.rank, first.local_rank, first.local_world_size, first.is_main) == (0, 0, 1, True)
+
+
+def test_each_survivor_finds_its_place_from_the_nodes_sizes_as_from_every_identity():
+    """The watcher's record carries the kept nodes' sizes as runs; each survivor's place from
+    them is the one every identity gives, for every member of every layout (nodes of unequal
+    sizes, whole nodes lost, a rank lost mid-node). A node whose ranks are not numbered
+    together has no sizes: the survivors then read the identities."""
+    layouts = [[("a", 2), ("b", 2), ("c", 1)], [("a", 8)] * 1 + [("b", 8), ("c", 7), ("d", 8)],
+               [("a", 3), ("b", 1), ("c", 3), ("d", 3)]]
+    for layout in layouts:
+        identities = {}
+        for agent, (host, size) in enumerate(layout, start=1):
+            for local in range(size):
+                identities[len(identities)] = Identity(host, 1000 + len(identities), agent, local)
+        world = len(identities)
+        for lost in ([], [0], [world - 1], [1, 2], list(range(layout[0][1]))):
+            members = [r for r in range(world) if r not in lost]
+            sizes = node_sizes(members, identities)
+            assert sizes is not None and sum(s * n for s, n in sizes) == len(members)
+            for rank in members:
+                env = DistEnv(rank=rank, world_size=world, launched=True)
+                assert placed_env(env, members, sizes) == successor_env(env, members, identities)
+    assert node_sizes(list(range(16)), {r: Identity("h", r, 1 + r // 8, r % 8)
+                                        for r in range(16)}) == [[8, 2]]
+    mixed = {0: Identity("a", 1, 1, 0), 1: Identity("b", 2, 2, 0), 2: Identity("a", 3, 1, 1)}
+    assert node_sizes([0, 1, 2], mixed) is None
+    with pytest.raises(ValueError, match="not one of the members"):
+        placed_env(DistEnv(rank=1, world_size=3), [0, 2], [[1, 2]])
 
 
 def test_the_survivors_of_a_death_go_on_without_the_dead_ranks_whole_node():
@@ -1201,6 +1277,21 @@ def test_a_group_creation_given_up_on_that_completes_late_changes_nothing(store)
         store.set("bye", "1")
         mine.close()
         late.wait(timeout=60)
+
+
+def test_a_shrink_counts_the_agents_it_removed_by_the_nodes_numbers(members):
+    """The nodes a change removed are counted by the worlds' node numbers, not by the
+    identities the closer knew (a node lost before its ranks said who they were in the last
+    generation is one too); removed nodes that joined in process are no agents of the launch's
+    round. Rank 0 releases that many from torchrun's exit barrier at the end."""
+    mine = members(0, world_size=3)
+    mine.env = dataclasses.replace(mine.env, group_world_size=3)
+    mine.joined_agents = {("joined", 7)}
+    change = a_change(0, 1, 1)
+    with no_group_left():
+        mine.recovery.next_generation(change, {0: mine.identities()[0]}, [0],
+                                      gone=[("joined", 7)])  # and a node it knew nothing of
+    assert mine.gone_agents == 1
 
 
 def test_a_late_watcher_of_a_generation_that_is_over_changes_nothing(members):

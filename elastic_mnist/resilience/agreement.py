@@ -9,12 +9,14 @@ Pure records and store reads: no thread, no process group (membership.py and rec
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,6 +166,16 @@ def watchers(ranks: set[int] | list[int]) -> list[int]:
     return sorted({ordered[0], ordered[len(ordered) // 2], ordered[-1]}) if ordered else []
 
 
+def backup_watchers(ranks: set[int] | list[int]) -> list[int]:
+    """The ranks, of ``ranks``, that close a change's membership where none of the
+    :func:`watchers` has (all three lost meanwhile): at a quarter, three eighths and three
+    quarters of the ranks, on other nodes than the watchers wherever the job has five of one
+    size (the watchers' neighbours share their nodes, and fall with them)."""
+    ordered, first = sorted(ranks), set(watchers(ranks))
+    n = len(ordered)
+    return sorted({ordered[n // 4], ordered[3 * n // 8], ordered[3 * n // 4]} - first) if n else []
+
+
 def encode_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 5, 7, 8]`` as ``"0-2,5,7-8"``: a membership of thousands of ranks, read by
     each of them, is its few gaps long, not its ranks."""
@@ -191,15 +203,19 @@ it is starved of CPU (half a second was not enough for 8,000 simulated ranks on 
 every rank then woke every rank: W² keys)."""
 
 
-def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -> str:
+def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str,
+                  confirm: bool = True) -> str:
     """``fault`` (a :class:`Fault`'s JSON), declared in the generation of ``prefix``: the
     generation's one fault, the first declared, is returned. The first to declare wakes every
     rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so; the others
-    (every survivor declares as its collective fails) wait for that, instead of writing every
-    rank's wake key again each (W² keys), and wake them themselves only where the first was lost
-    between its writes."""
+    (every survivor declares as its collective fails) that ``confirm`` (the generation's
+    :func:`watchers`, and a rank that found the fault itself) wait for that, instead of writing every rank's wake key again each (W²
+    keys), and wake them themselves only where the first was lost between its writes; the rest
+    return at once: one operation each."""
     agreed = store.compare_set(f"{prefix}fault", "", fault).decode()
     woken = f"{prefix}woken"
+    if agreed != fault and not confirm:
+        return agreed
     if agreed != fault:
         # Looked at, not waited on: the connection is the declarer's, which the pulse's
         # speaker shares, and a wait would hold it (a node's record standing still for seconds
@@ -222,19 +238,20 @@ def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -
 
 
 def check_in(store: dist.Store, prefix: str, rank: int, position: str) -> None:
-    """A survivor checks in: where it stood (``{prefix}in/<rank>``), then its place in the order
-    of arrivals (``{prefix}arrived/<n>``), which the others read as it grows."""
-    store.set(f"{prefix}in/{rank}", position)
+    """A survivor checks in: its place in the order of arrivals, and there, its rank and where
+    it stood (``{prefix}arrived/<n>``: ``"<rank> <position>"``), which the watchers read as the
+    arrivals grow, each once. Two operations."""
     n = store.add(f"{prefix}arrivals", 1)
-    store.set(f"{prefix}arrived/{n - 1}", str(rank))
+    store.set(f"{prefix}arrived/{n - 1}", f"{rank} {position}")
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
                      pulses: Pulses, limit_s: float, rank: int | None = None,
-                     decide: Callable[[list[int]], dict[str, Any]] | None = None
+                     decide: Callable[[list[int], dict[int, str]], dict[str, Any]] | None = None
                      ) -> dict[str, Any]:
     """What the survivors agree on, as the first watcher to close the membership decided it:
-    ``decide(members)`` (by default ``{}``) with ``members``, every rank that checked in
+    ``decide(members, positions)`` (by default ``{}``; ``positions``: where each member stood,
+    as it checked in) with ``members``, every rank that checked in
     (:func:`check_in`) once all ``expected`` have, but for those whose pulse stopped, or once
     ``limit_s`` has passed; never one of ``excluded``. The record's ``members`` are the ones
     ``decide`` returns, if any, else those.
@@ -242,37 +259,56 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
     The :func:`watchers` of ``expected`` (every caller where ``rank`` is None) look at the
     check-ins; each reads each arrival once (an entry not written yet, its writer lost between
     its count and its name, say, is looked for again at the next look). Every other survivor
-    waits for the record, one operation, and closes it itself only if no watcher has within
-    ``limit_s`` (all three lost meanwhile)."""
+    waits for the record, then reads it: two operations. If no watcher has written it a second
+    past ``limit_s`` (all three lost meanwhile), the :func:`backup_watchers` close it at once,
+    and the rest wait for them as long again (past the recovery's bound, which then restarts
+    the job): every survivor closing it itself was W reads each, W² in all, at the moment the
+    store is busiest."""
     key = f"{prefix}members"
     start = next_read = time.monotonic()
-    if rank is not None and rank not in watchers(expected):
+    first = watchers(expected)
+    if rank is not None and rank not in first:
         # A second more than the watchers: one that came to the agreement later than this
         # rank still closes it first.
         limit_s += 1
+        closed = False
         with contextlib.suppress(RuntimeError):  # DistStoreError: not closed within the limit
             store.wait([key], datetime.timedelta(seconds=limit_s))
-    seen, unread, arrived, silent = 0, set(), set(), set()
+            closed = True
+        if not closed and rank not in backup_watchers(expected):
+            store.wait([key], datetime.timedelta(seconds=limit_s))  # DistStoreError: nobody
+            closed = True
+        if closed:  # two operations in all, the record's read the second
+            return _members_record(store.get(key))
+    seen, unread, silent = 0, set(), set()
+    arrived: dict[int, str] = {}
     while not store.check([key]):
         arrivals = store.add(f"{prefix}arrivals", 0)
         unread.update(range(seen, arrivals))
         seen = max(seen, arrivals)
         entries = {f"{prefix}arrived/{n}": n for n in sorted(unread)}
         found = read_present(store, list(entries))
-        arrived.update(int(value) for value in found.values())
+        for value in found.values():
+            r, _, position = value.decode().partition(" ")
+            arrived[int(r)] = position
         unread -= {entries[entry] for entry in found}
-        present = arrived & expected
+        present = arrived.keys() & expected
         now = time.monotonic()
         if now >= next_read:
             silent, next_read = pulses.silent(), now + PULSE_S
         if present >= expected - silent or now - start >= limit_s:
             members = sorted(present)
-            record = {"members": members, **(decide(members) if decide else {})}
+            record = {"members": members,
+                      **(decide(members, {r: arrived[r] for r in members}) if decide else {})}
             record["members"] = encode_ranks(record["members"])
             store.compare_set(key, "", json.dumps(record))
             break
         time.sleep(LOOK_S)
-    record = json.loads(store.get(key))
+    return _members_record(store.get(key))
+
+
+def _members_record(value: bytes) -> dict[str, Any]:
+    record = json.loads(value)
     return {**record, "members": decode_ranks(record["members"])}
 
 
@@ -286,11 +322,20 @@ class Pulses:
     own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both.
     Each read is one ``multi_get`` of the nodes' records (board.py), one per node."""
 
-    def __init__(self, store: dist.Store, keys: dict[int, PulseKey | None], own: PulseKey):
-        """``keys``: each rank's (None for a rank that never said who it was)."""
-        self.store, self.keys, self.own = store, keys, own
+    def __init__(self, store: dist.Store,
+                 keys: Mapping[int, PulseKey | None] | Callable[[], Mapping[int, PulseKey | None]],
+                 own: PulseKey):
+        """``keys``: each rank's (None for a rank that never said who it was), or what reads
+        them, called at the first read (a survivor that only waits for the watchers' record
+        never reads them)."""
+        self.store, self.own = store, own
+        self._keys = keys
         self.seen: dict[int, tuple[int, int]] = {}
         """rank → (its pulse, the reader's own when it last moved)."""
+
+    @functools.cached_property
+    def keys(self) -> Mapping[int, PulseKey | None]:
+        return self._keys() if callable(self._keys) else self._keys
 
     def silent(self) -> set[int]:
         records = list(dict.fromkeys([self.own[0]] + [key[0] for key in self.keys.values()
@@ -318,7 +363,8 @@ def pulse_key(identity: Identity) -> PulseKey | None:
             else (record_key(identity.board), identity.local_rank))
 
 
-def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identity]) -> DistEnv:
+def successor_env(env: DistEnv, members: list[int], identities: Mapping[int, Identity]
+                  ) -> DistEnv:
     """This rank's place among the survivors: ranks in the order of the old ones, local ranks
     among the survivors started by the same agent, node ranks in the order nodes first appear."""
     node = identities[env.rank].node
@@ -332,7 +378,57 @@ def successor_env(env: DistEnv, members: list[int], identities: dict[int, Identi
                                rendezvous=rdzv and dataclasses.replace(rdzv, join=None))
 
 
-def whole_nodes(members: list[int], identities: dict[int, Identity], fault: Fault,
+def node_sizes(members: list[int], identities: Mapping[int, Identity]) -> list[list[int]] | None:
+    """How many of ``members`` each node keeps, in the members' order, as runs of ``[size,
+    nodes]`` (``[[8, 999], [7, 1]]``): what each survivor needs to find its place
+    (:func:`placed_env`), a few values where every survivor reading every identity was W² of
+    them. None where one node's members are not numbered together (torchrun numbers ranks node
+    by node, and every change keeps their order: never, unless that changes), or where a
+    member's identity is unknown."""
+    runs: list[list[int]] = []
+    sizes: list[int] = []
+    seen: set[tuple[str, int]] = set()
+    node = None
+    for rank in members:
+        if identities[rank] == UNKNOWN:  # where it runs is not known: nor are its siblings
+            return None
+        if identities[rank].node != node:
+            node = identities[rank].node
+            if node in seen:
+                return None
+            seen.add(node)
+            sizes.append(0)
+        sizes[-1] += 1
+    for size in sizes:
+        if runs and runs[-1][0] == size:
+            runs[-1][1] += 1
+        else:
+            runs.append([size, 1])
+    return runs
+
+
+def placed_env(env: DistEnv, members: list[int], sizes: list[list[int]]) -> DistEnv:
+    """This rank's place among the survivors, as :func:`successor_env` finds it, from the
+    nodes' ``sizes`` (:func:`node_sizes`) alone: no survivor reads another's identity."""
+    rank, start, group = bisect.bisect_left(members, env.rank), 0, 0
+    if rank == len(members) or members[rank] != env.rank:
+        raise ValueError(f"rank {env.rank} is not one of the members")
+    for size, count in sizes:
+        if rank < start + size * count:
+            group += (rank - start) // size
+            local_rank, local_world_size = (rank - start) % size, size
+            break
+        start, group = start + size * count, group + count
+    else:
+        raise ValueError(f"the nodes' sizes {sizes} hold fewer than {len(members)} ranks")
+    rdzv = env.rendezvous  # a joiner's admission is behind it
+    return dataclasses.replace(env, rank=rank, world_size=len(members), local_rank=local_rank,
+                               local_world_size=local_world_size, group_rank=group,
+                               group_world_size=sum(count for _, count in sizes),
+                               rendezvous=rdzv and dataclasses.replace(rdzv, join=None))
+
+
+def whole_nodes(members: list[int], identities: Mapping[int, Identity], fault: Fault,
                 world_size: int) -> list[int]:
     """``members`` without the siblings of a rank that died: a node whose worker died has its
     agent restart all of its workers (torchrun's way), so the survivors go on without every rank

@@ -68,6 +68,7 @@ from elastic_mnist.resilience.agreement import (
     generation_key,
     pulse_key,
     read_present,
+    watchers,
 )
 from elastic_mnist.resilience.board import NodeBoard, board_for, parse
 from elastic_mnist.resilience.connections import Connections
@@ -183,8 +184,6 @@ class Membership(NullMembership):
                                  serial=int(env.rendezvous.agent)
                                  if env.rendezvous and env.rendezvous.agent else None)
         self.joining = joining
-        self.agents: set[tuple[str, int]] | None = None
-        """The agents of the current generation's members; None until a change: the launch's."""
         self.gone_agents = 0
         """Agents of the launch's round that changes removed (no rank of theirs is left): they
         never come to torchrun's exit barrier."""
@@ -372,14 +371,21 @@ class Membership(NullMembership):
                          generation, why, suspects, current)
                 return None
             fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
+            # A rank woken by the first declaration knows that it woke every rank (one
+            # multi_set); one that found the fault itself, or a watcher, makes sure of it.
+            confirm = self.faulted is None or env.rank in watchers(range(env.world_size))
             agreed = declare_fault(store, self.key("", current), env.world_size,
-                                   json.dumps(asdict(fault)))
+                                   json.dumps(asdict(fault)), confirm=confirm)
         return Fault(**json.loads(agreed))
 
-    def identities(self, store: dist.Store | None = None) -> dict[int, Identity]:
+    def identities(self, store: dist.Store | None = None, generation: int | None = None,
+                   world_size: int | None = None) -> dict[int, Identity]:
         """Every rank's identity as it published it (read on ``store``, the main connection by
-        default); a rank lost before it could is unknown."""
-        keys = [self.key(f"id/{rank}") for rank in range(self.env.world_size)]
+        default), in ``generation`` of ``world_size`` ranks (the current one by default); a
+        rank lost before it could is unknown."""
+        if generation is None:
+            generation, world_size = self.generation, self.env.world_size
+        keys = [self.key(f"id/{rank}", generation) for rank in range(world_size)]
         found = read_present(store or self.store, keys)
         return {rank: Identity(**json.loads(found[key])) if key in found else UNKNOWN
                 for rank, key in enumerate(keys)}
@@ -430,10 +436,12 @@ class Membership(NullMembership):
     def fall_back(self, reason: str) -> None:
         self.recovery.fall_back(reason)
 
-    def move_on(self, change: Change, kept: list[Identity], kept_ranks: list[int]) -> None:
+    def move_on(self, change: Change, kept_ranks: list[int], gone: int = 0,
+                joined: set[tuple[str, int]] = frozenset()) -> None:
         """Leaves the failed group to its threads and moves to ``change``'s generation, of the
-        processes ``kept`` (the last generation's ``kept_ranks``, and the joiners of a grow):
-        named the job's current one, and watched."""
+        last generation's ``kept_ranks`` (and the joiners of a grow): named the job's current
+        one, and watched. ``gone``: the agents of the launch's round that the change removed
+        (none of their ranks is kept); ``joined``: the nodes a grow admitted."""
         # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
         # acts in it or not at all.
         woken = None if self.joining else self.key(f"wake/{self.env.rank}")
@@ -448,15 +456,8 @@ class Membership(NullMembership):
                 self.joining = False
         if woken is not None:  # the last generation's watcher, which no fault woke after a grow
             self.connections.declare.set(woken, "over")
-        agents = {i.node for i in kept}
-        if change.kind == "grow":
-            self.joined_agents |= {i.node for i in kept[change.old_world_size:]} - \
-                (self.agents or set())
-        else:
-            before = self.launch_agents if self.agents is None else \
-                len(self.agents - self.joined_agents)
-            self.gone_agents += before - len(agents - self.joined_agents)
-        self.agents = agents
+        self.joined_agents |= joined
+        self.gone_agents += gone
         self._publish_current(kept_ranks)
         self._start_generation()
 

@@ -29,7 +29,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -49,6 +49,7 @@ from elastic_mnist.errors import (
 from elastic_mnist.resilience.agreement import (
     NO_STATE,
     PULSE_S,
+    UNKNOWN,
     Change,
     Identity,
     Position,
@@ -56,6 +57,8 @@ from elastic_mnist.resilience.agreement import (
     check_in,
     close_membership,
     grown,
+    node_sizes,
+    placed_env,
     pulse_key,
     successor_env,
     watchers,
@@ -71,6 +74,28 @@ log = logging.getLogger(__name__)
 
 DROPPED_QUESTION_S = 2.0
 """How long a give-up waits to learn whether the job went on without this rank."""
+
+
+class ReadOnce(Mapping[int, Identity]):
+    """A generation's identities, read from the store at the first look, once."""
+
+    def __init__(self, read: Callable[[], dict[int, Identity]]):
+        self._read = read
+        self._found: dict[int, Identity] | None = None
+
+    def read(self, again: bool = False) -> dict[int, Identity]:
+        if self._found is None or again:
+            self._found = self._read()
+        return self._found
+
+    def __getitem__(self, rank: int) -> Identity:
+        return self.read()[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.read())
+
+    def __len__(self) -> int:
+        return len(self.read())
 
 
 class Recovery:
@@ -113,29 +138,47 @@ class Recovery:
             m.inject(self.phase)
             check_in(m.store, m.key(""), m.env.rank, json.dumps(asdict(position)))
             m.inject("checked in")
-            identities = m.identities()
-            pulses = Pulses(m.store, {r: pulse_key(i) for r, i in identities.items()},
+            # Read by the watchers (whose pulses they are), by a survivor that closes the
+            # membership itself, and where the nodes' sizes do not place every survivor: every
+            # survivor reading every identity was W² values (12.8 GB at 8,000 ranks).
+            identities = ReadOnce(lambda g=m.generation, w=m.env.world_size: m.identities(
+                generation=g, world_size=w))
+            pulses = Pulses(m.store, lambda: {r: pulse_key(i) for r, i in identities.items()},
                             m.pulse_key)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
 
-            def decide(present: list[int]) -> dict[str, Any]:
+            def decide(present: list[int], checked_in: dict[int, str]) -> dict[str, Any]:
                 """The watcher that closes the membership decides for all: whole nodes, and
-                the agreed step, from the members' check-ins (read once, not by every one)."""
+                the agreed step, from the members' check-ins (read once, not by every one);
+                and what every survivor needs of the identities: the nodes' sizes, the lost
+                ranks' hosts, the nodes no rank is left of."""
                 members = whole_nodes(present, identities, fault, m.env.world_size)
-                positions = [Position(**json.loads(value)) for value in m.store.multi_get(
-                    [m.key(f"in/{r}") for r in members])] if members else []
+                if any(identities[r] == UNKNOWN for r in members):
+                    identities.read(again=True)  # said who it was after the first read
+                positions = [Position(**json.loads(checked_in[r])) for r in members]
                 step = max((p.step for p in positions), default=NO_STATE)
+                kept, left = {identities[r].node for r in members}, set(members)
                 return {"members": members, "step": step,
                         "holder": next((i for i, p in enumerate(positions) if p.step == step), 0),
                         "steps_redone": int(any(p.mid_step and p.step == step
                                                 for p in positions)),
-                        "evaluated_step": positions[0].evaluated_step if positions else 0}
+                        "evaluated_step": positions[0].evaluated_step if positions else 0,
+                        "nodes": node_sizes(members, identities),
+                        "lost": [[r, identities[r].host] for r in range(m.env.world_size)
+                                 if r not in left],
+                        "gone": sorted({identities[r].node for r in range(m.env.world_size)
+                                        if identities[r] != UNKNOWN} - kept)}
 
             agreed = close_membership(m.store, m.key(""), expected, fault.suspects, pulses,
                                       limit_s=m.bound_s / 2, rank=m.env.rank, decide=decide)
             members = agreed["members"]
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
+            # Every identity a survivor may still need is read here, in the old generation.
+            env = (placed_env(m.env, members, agreed["nodes"]) if agreed["nodes"] is not None
+                   else successor_env(m.env, members, identities))
+            if env.rank in watchers(range(len(members))):  # it reads the new members' pulses
+                identities.read()
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
             raise self._left_behind() or CannotRecover(
                 f"the coordination store does not answer: {first_line(e)}") from None
@@ -143,10 +186,8 @@ class Recovery:
         if step == NO_STATE:  # every rank that held the job's state was lost as joiners entered
             raise CannotRecover("no survivor holds the job's state (the ranks left joined it and "
                                 "had not yet taken it)")
-        env = successor_env(m.env, members, identities)
-        lost = [{"rank": r, "host": identities[r].host,
-                 "why": fault.why if r in fault.suspects else "died"}
-                for r in range(m.env.world_size) if r not in members]
+        lost = [{"rank": r, "host": host, "why": fault.why if r in fault.suspects else "died"}
+                for r, host in agreed["lost"]]
         change = Change(env=env, generation=m.generation + 1,
                         old_world_size=m.env.world_size, lost=lost, why=fault.why, step=step,
                         holder=agreed["holder"], steps_redone=agreed["steps_redone"],
@@ -154,7 +195,8 @@ class Recovery:
                         detected_at=detected_at)
         change = self._widen(change, members)
         try:
-            self.next_generation(change, identities, members)
+            self.next_generation(change, identities, members,
+                                 gone=[tuple(node) for node in agreed["gone"]])
         except PeerFailure:
             raise
         except RuntimeError as e:  # the store went as the generation began: said in one line
@@ -245,13 +287,24 @@ class Recovery:
         self.change = change
         return change
 
-    def next_generation(self, change: Change, identities: dict[int, Identity],
-                        members: list[int]) -> None:
-        """Leaves the failed group to its threads and joins the survivors' new one."""
+    def next_generation(self, change: Change, identities: Mapping[int, Identity],
+                        members: list[int], gone: list[tuple[str, int]] = ()) -> None:
+        """Leaves the failed group to its threads and joins the survivors' new one: ``members``
+        (ranks of ``identities``, in their new order), without the nodes that are ``gone``."""
         m = self.member
-        m.move_on(change, [identities[r] for r in members],
-                  list(range(change.old_world_size)) if change.kind == "grow" else members)
-        self._pulse_keys = {new: pulse_key(identities[old]) for new, old in enumerate(members)}
+        if change.kind == "grow":
+            joined = {identities[r].node for r in members[change.old_world_size:]} - \
+                {identities[r].node for r in members[:change.old_world_size]}
+            m.move_on(change, list(range(change.old_world_size)), joined=joined)
+        else:
+            # Counted by the nodes' numbers, not by the identities the closer knew: a node
+            # whose ranks were lost before they said who they were in the last generation is
+            # one too (those of joined nodes are no agents of the launch's round).
+            removed = m.env.group_world_size - change.env.group_world_size
+            m.move_on(change, members, gone=max(0, removed - len(set(gone) & m.joined_agents)))
+        # The new generation's watchers read its members' pulses (run); the others never.
+        self._pulse_keys = ({new: pulse_key(identities[old]) for new, old in enumerate(members)}
+                            if change.env.rank in watchers(range(len(members))) else {})
         # The group is built in a thread, and made the default one here, in the training
         # thread, only once it is complete: a creation given up on (a member frozen) may still
         # complete later, and then changes nothing. Its connection, which it may hold until
@@ -307,8 +360,7 @@ class Recovery:
         finished = threading.Event()
         guarded.add_done_callback(lambda _: finished.set())
         # The generation's watchers read its members' pulses; every other member waits.
-        members = self._pulse_keys if m.env.rank in watchers(self._pulse_keys) else {}
-        pulses = Pulses(m.store, members, m.pulse_key) if members else None
+        pulses = Pulses(m.store, self._pulse_keys, m.pulse_key) if self._pulse_keys else None
         while not finished.wait(PULSE_S):
             try:
                 silent = pulses.silent() - {m.env.rank} if pulses is not None else set()
