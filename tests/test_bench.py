@@ -327,6 +327,14 @@ def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_p
     # The lost node's last pulse came up to a pulse before it was lost.
     assert (SILENT_PULSES - 1) * PULSE_S <= row["agreed_s"] < 6.0
     assert report["capacity_ops_s"] > row["busiest_second_fault"] > 0
+    # The store's own load beside it, in every phase: its share of one core, and an otherwise
+    # idle client's round trips (median, 99th percentile).
+    assert all(0 <= share < 2 for share in row["store_cpu_share"].values()), row
+    assert all(0 < median <= p99 for median, p99 in row["store_round_trip_ms"].values()), row
+    # Each target judged: 16 ranks ask the store for a thousandth of what it answers.
+    assert row["targets"]["busiest second steady"] is True
+    assert row["targets"]["hang verdict"] is (row["hang_verdict_s"] <= 6 + 2)
+    assert "16 ranks" in result.stdout and "Targets (" in result.stdout
 
 
 def test_scale_refuses_bad_sizes_in_one_line():

@@ -152,9 +152,9 @@ class Recovery:
                 the agreed step, from the members' check-ins (read once, not by every one);
                 and what every survivor needs of the identities: the nodes' sizes, the lost
                 ranks' hosts, the nodes no rank is left of."""
+                if UNKNOWN in identities.values():  # one said who it was after the first read
+                    identities.read(again=True)
                 members = whole_nodes(present, identities, fault, m.env.world_size)
-                if any(identities[r] == UNKNOWN for r in members):
-                    identities.read(again=True)  # said who it was after the first read
                 positions = [Position(**json.loads(checked_in[r])) for r in members]
                 step = max((p.step for p in positions), default=NO_STATE)
                 kept, left = {identities[r].node for r in members}, set(members)
@@ -174,11 +174,16 @@ class Recovery:
             members = agreed["members"]
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
-            # Every identity a survivor may still need is read here, in the old generation.
+            # Every identity a survivor may still need is read here, in the old generation:
+            # where it places itself from them, or as a watcher of the new one (it reads the
+            # new members' pulses), after the close (every member wrote its own before it
+            # checked in), not as this rank first read them (a watcher's, at its first look).
+            needs = agreed["nodes"] is None or \
+                members.index(m.env.rank) in watchers(range(len(members)))
+            if needs and any(identities[r] == UNKNOWN for r in members):
+                identities.read(again=True)
             env = (placed_env(m.env, members, agreed["nodes"]) if agreed["nodes"] is not None
                    else successor_env(m.env, members, identities))
-            if env.rank in watchers(range(len(members))):  # it reads the new members' pulses
-                identities.read()
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
             raise self._left_behind() or CannotRecover(
                 f"the coordination store does not answer: {first_line(e)}") from None
