@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Coordination at scale: the job's traffic to its one store, simulated up to 1,000 nodes × 8.
 
-    scripts/scale.py [--sizes 8,64,512,8000] [--ranks-per-node 8] [--steady-s 6]
+    scripts/scale.py [--sizes 8,64,512,2048,8000] [--ranks-per-node 8] [--steady-s 6]
                      [--hang-timeout 10] [--budget-s 60] [--json bench/scale.json]
 
 Everything that keeps a job together runs through one c10d TCPStore, served by one event loop.
@@ -15,8 +15,10 @@ each node on connections of its own speaking for its ranks with the job's own co
 - every rank raises its pulse on its node's real board (board.py, a file per simulated node),
   whose speaker writes the node's record every ``PULSE_S``;
 - each node's agent asks ``Roster.waiting`` every ``--monitor-interval`` (0.5 s, as jobs/
-  launch it) and, twice per keep-alive interval, judges the job's agents with ``Liveness.dead``
-  (the body of ``AgentsHandler.num_nodes_waiting``); it keeps alive with ``Roster.keep_alive``;
+  launch it) and, every ``look_interval`` (twice per keep-alive interval, less often beyond 40
+  agents), judges the job's agents with ``Liveness.dead`` (the body of
+  ``AgentsHandler.num_nodes_waiting``, less its read of the job's record); it keeps alive with
+  ``Roster.keep_alive``;
 - rank 0 beats for the job (``Roster.beat``, every admissions poll); each node's local rank 0
   asks the fence (``CurrentGeneration.dropped``) every lease beat.
 
@@ -24,19 +26,23 @@ Phases, for each size: a steady state (``--steady-s``); a hang (from two beats b
 deadline, as when the job stops stepping); a lost node (its pulses stop; every survivor declares
 the fault with ``declare_fault`` and checks in, the watchers read the identities, the check-ins
 and the pulses and close the membership with ``close_membership``, deciding from the members'
-positions, and every other survivor waits for it, as recovery.py does). Not simulated: each
-survivor's read of every identity, and the new group's creation (gloo's own rendezvous on the
-store), both W values per survivor (docs/recovery.md). It prints a table (store operations and bytes a second, per rank, the
-busiest second, the time to a hang verdict, the time to an agreed membership) and writes it as
-JSON. The store's capacity is measured first, on the same machine, by as many clients as this
-simulation uses. A phase that does not finish within ``--budget-s`` stops the run at that size,
-saying so: the machine (its cores drive every simulated client) or the design (its operations
-grow faster than its ranks) cannot hold it.
+positions (the record names the nodes' sizes, from which each survivor finds its place), and
+every other survivor waits for it, as recovery.py does). Not simulated: the new group's
+creation (gloo's own rendezvous on the store, W reads per survivor: docs/recovery.md). It
+prints a table (store operations and bytes a second, per rank, the busiest second, the time to
+a hang verdict, the time to an agreed membership) and writes it as JSON, with the store's own
+load per phase (its process's share of one core, and the round trip of a client that asks
+nothing else) beside the simulating processes' share of the cores: where the latter nears
+them all, the times are this machine's, not the store's. The store's capacity is measured
+first, on the same machine. A phase that does not finish within ``--budget-s`` stops the run at
+that size, saying so: the machine (its cores drive every simulated client) or the design (its
+operations grow faster than its ranks) cannot hold it.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -50,6 +56,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -67,13 +74,14 @@ from elastic_mnist.resilience.agreement import (
     check_in,
     close_membership,
     declare_fault,
+    node_sizes,
     pulse_key,
     read_present,
     watchers,
 )
 from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.current import CurrentGeneration
-from elastic_mnist.resilience.roster import Liveness, Roster
+from elastic_mnist.resilience.roster import Liveness, Roster, look_interval
 from elastic_mnist.resilience.watchdog import (
     BEAT_S,
     PROBE_BEATS,
@@ -86,8 +94,23 @@ from elastic_mnist.stores import listening
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = "elastic_mnist/sim/launch"
 """The workers' prefix in the store (``elastic_mnist/<run id>/<launch>``, job.py)."""
-PROCESSES = 4
-"""Simulating processes: their threads share the machine's cores with the store."""
+PROCESSES = 32
+"""Simulating processes: their threads share the machine's cores with the store. Many, for
+Python's lock: a node's thread waits for it after every store call, behind the other threads
+of its process (with 4 processes at 8,000 ranks, a hang's verdict reached the last rank 16 s
+late, and a membership closed 10 s late, with the store a fifth busy): ranks of real nodes
+share no such lock."""
+SIMULATION_NICE = 10
+"""The simulating processes' niceness: the store's process (and the gauge's) go first on the
+machine's shared cores, as the store's host's own cores serve it in a job (at 8,000 ranks,
+without it, an otherwise idle client waited 140 ms for the store's answer, the store using
+less than half a core: it waited for the cores, not for its own work)."""
+CAPACITY_CLIENTS = 4
+"""Processes that measure the store's capacity, each as fast as it can."""
+CONNECTING = 32
+"""Nodes a simulating process opens its connections for at once, as it starts."""
+GAUGE_S = 0.05
+"""How often :class:`StoreGauge` reads the store's load."""
 MONITOR_S = 0.5
 """The agent asks ``num_nodes_waiting`` every ``--monitor-interval``: 0.5 s as jobs/ launch it
 (torch's default, 0.1 s, asks five times as often: 10 N operations a second)."""
@@ -213,6 +236,8 @@ class Node:
                           for r in ranks}
         self.stopped = threading.Event()
         """Set when the node is lost: its agent and ranks fall silent."""
+        self.watching = set(watchers(range(world)))
+        """The ranks that confirm a declaration (Membership.declare)."""
 
     def pulse_key(self, rank: int) -> tuple[str, int]:
         return pulse_key(self.identities[rank])
@@ -238,12 +263,17 @@ class Node:
 
     def steady(self, until: float, stop: threading.Event) -> None:
         """The node's periodic traffic until ``until`` (or ``stop``, or the node is lost)."""
+        agents = math.ceil(self.world / len(self.ranks))
         periods = {"pulse": PULSE_S, "beat": BEAT_S, "monitor": MONITOR_S,
-                   "look": KEEP_ALIVE_S / 2, "keep_alive": KEEP_ALIVE_S, "fence": LEASE_BEAT_S,
-                   "admissions": ADMISSIONS_S}
+                   "look": look_interval(KEEP_ALIVE_S, agents), "keep_alive": KEEP_ALIVE_S,
+                   "fence": LEASE_BEAT_S, "admissions": ADMISSIONS_S}
         start = time.time()  # the plan's clock: every simulating process shares it
-        due = {name: start + (self.serial % 10) * period / 10 for name, period in periods.items()}
-        job_agents = list(range(1, math.ceil(self.world / len(self.ranks)) + 1))
+        # Nodes' clocks are not in step: each node's duties begin at its own point of their
+        # periods, spread evenly (a look every minute at 1,000 nodes is still counted in a few
+        # seconds' window at its rate).
+        phase = (self.serial * 0.6180339887) % 1
+        due = {name: start + phase * period for name, period in periods.items()}
+        job_agents = list(range(1, agents + 1))
         while not stop.is_set() and not self.stopped.is_set():
             name = min(due, key=due.get)
             wait = due[name] - time.time()
@@ -308,33 +338,36 @@ class Node:
                                 "store did not answer within 2 s"] += 1
                     return None
                 if found != "wait":  # it declares to the membership, as _follow does
-                    declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}))
+                    declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}),
+                                  confirm=r in self.watching)
                     waiting.discard(r)
             if waiting:
-                stop.wait(BEAT_S)
-                for r in waiting:
-                    dogs[r].beats += 1  # the beat its own thread raised meanwhile
+                stop.wait(BEAT_S)  # the node's heartbeats (steady) raise each rank's beats
         return None if waiting else time.time()
 
     def agree(self, world: int, limit_s: float) -> float:
         """The node's survivors' agreement, as recovery.py makes it: each declares the fault
         (the first wakes everyone), checks in, and closes the membership, if it is one of the
-        watchers, or waits for it. When the node's last rank has it."""
+        watchers, or waits for it. When the node's ranks have it: in a job they wait for the
+        record side by side and are woken together, here one thread serves them in turn (each
+        one's wait and read still made and counted), so the first one's time stands for all."""
         try:
             for r in self.ranks:
-                declare_fault(self.agreeing, "g0/", world, json.dumps({"rank": r}))
+                declare_fault(self.agreeing, "g0/", world, json.dumps({"rank": r}),
+                              confirm=r in self.watching)
                 check_in(self.agreeing, "g0/", r, json.dumps(
                     {"step": 1, "mid_step": False, "evaluated_step": 0}))
-            survivors = set(range(world))
+            survivors, woken = set(range(world)), None
             for r in self.ranks:
                 if r in watchers(survivors):
                     continue  # in a thread of its own (watch)
                 close_membership(self.agreeing, "g0/", survivors, [], Pulses(
                     self.agreeing, {}, self.pulse_key(r)), limit_s, rank=r)
+                woken = woken or time.time()
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
             return None
-        return time.time()
+        return woken or time.time()
 
     def watch(self, rank: int, world: int, limit_s: float, port: int, counts: Counter,
               lock: threading.Lock) -> float:
@@ -345,11 +378,16 @@ class Node:
                                                       timeout=timedelta(seconds=300))),
                          counts, lock, LAUNCH)
         found = read_present(store, [f"g0/id/{r}" for r in range(world)])
-        keys = {r: pulse_key(Identity(**json.loads(found[f"g0/id/{r}"]))) for r in range(world)}
+        identities = {r: Identity(**json.loads(found[f"g0/id/{r}"])) for r in range(world)}
+        keys = {r: pulse_key(identity) for r, identity in identities.items()}
 
-        def decide(members: list[int]) -> dict[str, Any]:
-            positions = store.multi_get([f"g0/in/{r}" for r in members])
-            return {"step": max(json.loads(p)["step"] for p in positions)}
+        def decide(members: list[int], positions: dict[int, str]) -> dict[str, Any]:
+            """As recovery.py's: the agreed step, and what each survivor needs to find its
+            place (the nodes' sizes) and to name the lost."""
+            left = set(members)
+            return {"step": max(json.loads(positions[r])["step"] for r in members),
+                    "nodes": node_sizes(members, identities),
+                    "lost": [[r, identities[r].host] for r in range(world) if r not in left]}
 
         try:
             close_membership(store, "g0/", set(range(world)), [],
@@ -365,15 +403,20 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
              barrier: Any, out: Any) -> None:
     """One simulating process: its share of the nodes through every phase, in step with the
     others (``barrier``); what it counted and measured goes back on ``out``."""
+    # The store's host has cores of its own in a job: here, it goes first on the shared ones.
+    os.nice(SIMULATION_NICE)
     counts: Counter = Counter()
     lock = threading.Lock()
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)  # a connection per node
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     folder = Path(tempfile.mkdtemp(prefix="scale-boards-"))  # the nodes' boards
-    nodes = [Node(serial, ranks, world, port, counts, lock, f"node{serial}", folder,
-                  plan["hang_timeout"]) for serial, ranks in share]
-    for node in nodes:
-        node.start()
+    # Opened side by side: a connection takes a tenth of a second to open here, most of it
+    # waiting, and a process opens 750 of them at 8,000 ranks.
+    with ThreadPoolExecutor(max_workers=CONNECTING) as pool:
+        nodes = list(pool.map(lambda node: Node(
+            node[0], node[1], world, port, counts, lock, f"node{node[0]}", folder,
+            plan["hang_timeout"]), share))
+        list(pool.map(Node.start, nodes))
     result: dict[str, Any] = {}
     stop = threading.Event()
 
@@ -495,6 +538,55 @@ def stop_serving(server: subprocess.Popen) -> None:
         server.wait()
 
 
+class StoreGauge:
+    """The store's own load, read beside the simulation every GAUGE_S: its process's CPU time,
+    and the round trip of a ``check`` by a client that asks nothing else (on this machine's busy
+    cores: an upper bound of the store's own answer)."""
+
+    def __init__(self, port: int, pid: int):
+        self.port, self.pid = port, pid
+        self.trips: list[tuple[float, float]] = []
+        """(when, seconds) of each round trip."""
+        self.cpu: list[tuple[float, float]] = []
+        """(when, the store's CPU seconds so far)."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="store-gauge")
+        self._thread.start()
+
+    def _run(self) -> None:
+        store = TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=60))
+        store.set("gauge", "1")
+        tick = os.sysconf("SC_CLK_TCK")
+        stat = Path(f"/proc/{self.pid}/stat")
+        while not self._stop.wait(GAUGE_S):
+            start = time.perf_counter()
+            store.check(["gauge"])
+            self.trips.append((time.time(), time.perf_counter() - start))
+            with contextlib.suppress(OSError, ValueError, IndexError):  # no /proc: no CPU figure
+                # utime and stime, after the command's closing parenthesis (fields 14 and 15)
+                fields = stat.read_text().rpartition(")")[2].split()
+                self.cpu.append((time.time(), (int(fields[11]) + int(fields[12])) / tick))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_share(self, start: float, end: float) -> float | None:
+        """The store's share of one core from ``start`` to ``end``."""
+        inside = [(t, c) for t, c in self.cpu if start <= t <= end]
+        if len(inside) < 2:
+            return None
+        return (inside[-1][1] - inside[0][1]) / max(inside[-1][0] - inside[0][0], 1e-9)
+
+    def round_trip_ms(self, start: float, end: float) -> list[float] | None:
+        """The median and the 99th percentile of the round trips from ``start`` to ``end``."""
+        trips = sorted(s for t, s in self.trips if start <= t <= end)
+        if not trips:
+            return None
+        return [1e3 * trips[len(trips) // 2], 1e3 * trips[min(len(trips) - 1,
+                                                                 int(0.99 * len(trips)))]]
+
+
 def hammer(port: int, seconds: float, out: Any) -> None:
     """One client's fastest stream of ``add``s on its own key (a pulse)."""
     store = TCPStore("127.0.0.1", port, is_master=False)
@@ -524,7 +616,8 @@ def model(ranks: int, per_node: int) -> dict[str, float]:
     nodes = math.ceil(ranks / per_node)
     return {"pulses": nodes / PULSE_S, "heartbeats": ranks / BEAT_S,
             "agents' polls": nodes / MONITOR_S,
-            "agents' looks": 2 * nodes / (KEEP_ALIVE_S / 2),  # Liveness.dead: an add, a multi_get
+            # Liveness.dead: an add, a multi_get of every agent's keep-alive
+            "agents' looks": 2 * nodes / look_interval(KEEP_ALIVE_S, nodes),
             "keep-alives": nodes / KEEP_ALIVE_S, "fence": nodes / LEASE_BEAT_S,
             "job's beat": 1 / ADMISSIONS_S}
 
@@ -534,6 +627,7 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
     """One size through its three phases, on a store of its own."""
     port = free_port()
     server = serve(port)
+    gauge = None
     try:
         nodes = [(serial, range(start, min(start + per_node, ranks)))
                  for serial, start in enumerate(range(0, ranks, per_node), start=1)]
@@ -548,10 +642,15 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
                  for share, (_, w) in zip(shares, pipes, strict=True)]
         for p in procs:
             p.start()
+        # Its thread started only now: a process forked while a thread of this one holds a
+        # lock (a connection's, as it opens) would find it held forever.
+        gauge = StoreGauge(port, server.pid)
         results = [receive(r, p) for (r, _), p in zip(pipes, procs, strict=True)]
         for p in procs:
             p.join()
     finally:
+        if gauge is not None:
+            gauge.stop()
         stop_serving(server)
     counts: Counter = Counter()
     for result in results:
@@ -579,6 +678,12 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         wall = max(r[end] for r in results) - min(r[start] for r in results)
         return cpu / max(wall, 1e-9) / (os.cpu_count() or 1)
 
+    phases = {"steady": ("steady_from", "hang_from"), "hang": ("hang_from", "lost_from"),
+              "lost node": ("lost_from", "end")}
+
+    def span(start: str, end: str) -> tuple[float, float]:
+        return min(r[start] for r in results), max(r[end] for r in results)
+
     demanded = sum(model(ranks, per_node).values())
     return {
         "ranks": ranks, "nodes": len(nodes), "ranks_per_node": per_node,
@@ -594,9 +699,10 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
             hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + max(probed) - when("hang_from")),
         "agreed_s": None if lost is None or None in agreed else max(agreed) - when("lost_from"),
         "store_errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
-        "simulation_cpu_share": {"steady": busy("steady_from", "hang_from"),
-                                 "hang": busy("hang_from", "lost_from"),
-                                 "lost node": busy("lost_from", "end")},
+        "simulation_cpu_share": {name: busy(*keys) for name, keys in phases.items()},
+        "store_cpu_share": {name: gauge.cpu_share(*span(*keys)) for name, keys in phases.items()},
+        "store_round_trip_ms": {name: gauge.round_trip_ms(*span(*keys))
+                                for name, keys in phases.items()},
     }
 
 
@@ -616,13 +722,24 @@ def table(rows: list[dict[str, Any]], cap: float) -> str:
             f"({r['busiest_fraction_of_capacity']:.0%}) | {num(r['hang_verdict_s'])} | "
             f"{num(r['agreed_s'])} |")
     lines.append(f"\nThe store's capacity here: {cap:,.0f} operations a second "
-                 f"({PROCESSES} client processes). The model's figure is what the job's periods "
-                 "ask for; where the count falls short of it, this machine's cores could not "
+                 f"({CAPACITY_CLIENTS} client processes). The model's figure is what the job's "
+                 "periods ask for; where the count falls short of it, this machine's cores could not "
                  "drive every simulated rank.")
     lines.append("The simulating processes' share of the machine's cores (steady, hang, lost "
                  "node): " + "; ".join(
                      f"{r['ranks']} ranks " + ", ".join(
                          f"{share:.0%}" for share in r["simulation_cpu_share"].values())
+                     for r in rows) + ".")
+    def load(r: dict[str, Any], phase: str) -> str:
+        trip = r["store_round_trip_ms"][phase]
+        return (f"{num(r['store_cpu_share'][phase], '.0%')} "
+                + ("—" if trip is None else f"{trip[0]:.1f}/{trip[1]:.1f} ms"))
+
+    lines.append("The store's own process (one event loop), its share of one core and the round "
+                 "trip of a client that asks nothing else, median/99th percentile (steady, "
+                 "hang, lost node): " + "; ".join(
+                     f"{r['ranks']} ranks " + ", ".join(load(r, phase)
+                                                        for phase in r["store_cpu_share"])
                      for r in rows) + ".")
     for r in rows:
         if r["store_errors"]:
@@ -648,6 +765,42 @@ def why_stopped(row: dict[str, Any], budget_s: float) -> list[str]:
     return reasons
 
 
+AGREED_TARGET_S = 2.0
+"""The issue's target for an agreed membership after a lost node."""
+VERDICT_MARGIN_S = 2.0
+"""A hang's verdict is due within ``--hang-timeout`` and this."""
+BUSIEST_TARGET = 0.25
+"""The store's busiest second, steady or in a fault, under this share of its capacity."""
+
+
+def targets(row: dict[str, Any], hang_timeout: float, cap: float) -> dict[str, bool | None]:
+    """Which of the targets a size's row meets (None: not measured there)."""
+    return {
+        "busiest second steady": row["busiest_second_steady"] < BUSIEST_TARGET * cap,
+        "busiest second in a fault": row["busiest_second_fault"] < BUSIEST_TARGET * cap,
+        "hang verdict": None if row["hang_verdict_s"] is None
+        else row["hang_verdict_s"] <= hang_timeout + VERDICT_MARGIN_S,
+        "agreed membership": None if row["agreed_s"] is None
+        else row["agreed_s"] <= AGREED_TARGET_S,
+    }
+
+
+def verdicts(rows: list[dict[str, Any]], hang_timeout: float) -> str:
+    """The targets each size met, in a line, and the largest size that met them all."""
+    parts, largest = [], None
+    for r in rows:
+        met = r["targets"]
+        missed = [name for name, ok in met.items() if ok is False]
+        parts.append(f"{r['ranks']} ranks " + (f"missed: {', '.join(missed)}" if missed
+                                              else "met every one measured"))
+        largest = r["ranks"] if not missed else largest
+    return (f"Targets (the busiest second under {BUSIEST_TARGET:.0%} of the capacity, steady and "
+            f"in a fault; a hang's verdict within {hang_timeout + VERDICT_MARGIN_S:g} s; an "
+            f"agreed membership within {AGREED_TARGET_S:g} s): " + "; ".join(parts)
+            + (f". The largest size that met them all here: {largest} ranks." if largest
+               else "."))
+
+
 def exponent(rows: list[dict[str, Any]], lo: int, hi: int,
              field: str = "steady_ops_s") -> float | None:
     """The growth exponent of the steady operations a second (``field``: as counted, or as the
@@ -660,8 +813,8 @@ def exponent(rows: list[dict[str, Any]], lo: int, hi: int,
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="8,64,512,8000",
-                        help="simulated ranks, comma-separated (8,64,512,8000)")
+    parser.add_argument("--sizes", default="8,64,512,2048,8000",
+                        help="simulated ranks, comma-separated (8,64,512,2048,8000)")
     parser.add_argument("--ranks-per-node", type=int, default=8, help="ranks per node (8)")
     parser.add_argument("--steady-s", type=float, default=6.0,
                         help="seconds of steady state measured (6)")
@@ -691,15 +844,17 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     server = serve(port)
     try:
-        cap = capacity(port, PROCESSES, args.capacity_s)
+        cap = capacity(port, CAPACITY_CLIENTS, args.capacity_s)
     finally:
         stop_serving(server)
-    print(f"scale: the store answers {cap:,.0f} operations a second here ({PROCESSES} clients)")
+    print(f"scale: the store answers {cap:,.0f} operations a second here "
+          f"({CAPACITY_CLIENTS} clients)")
     rows, stopped = [], None
     for ranks in sizes:
         print(f"scale: {ranks} ranks ...", flush=True)
         row = measure(ranks, args.ranks_per_node, args.steady_s, args.hang_timeout,
                       args.budget_s, cap)
+        row["targets"] = targets(row, args.hang_timeout, cap)
         rows.append(row)
         reasons = why_stopped(row, args.budget_s)
         if reasons:
@@ -711,6 +866,7 @@ def main(argv: list[str] | None = None) -> int:
         summary.append(f"Growth exponent of the store's operations a second, 64 → 8000 ranks: "
                        f"{growth:.2f} as counted, {modelled:.2f} as the model says (where the "
                        "count fell short of the model, the machine drove less than the job asks).")
+    summary.append(verdicts(rows, args.hang_timeout))
     if stopped:
         summary.append(f"The run {stopped}.")
     summary.append(f"On {os.cpu_count()} cores; `make scale`.")
