@@ -102,9 +102,8 @@ late, and a membership closed 10 s late, with the store a fifth busy): ranks of 
 share no such lock."""
 SIMULATION_NICE = 10
 """The simulating processes' niceness: the store's process (and the gauge's) go first on the
-machine's shared cores, as the store's host's own cores serve it in a job (at 8,000 ranks,
-without it, an otherwise idle client waited 140 ms for the store's answer, the store using
-less than half a core: it waited for the cores, not for its own work)."""
+machine's shared cores, as the store's host's own cores serve it in a job, so that the store's
+times are its own work's, not a wait for the cores."""
 CAPACITY_CLIENTS = 4
 """Processes that measure the store's capacity, each as fast as it can."""
 CONNECTING = 32
@@ -309,9 +308,9 @@ class Node:
         """Every rank's watchdog through a hang, from two beats before its deadline: a prober
         reads every heartbeat twice, two beats apart, and declares; every other rank, from the
         deadline, looks for the verdict every beat (``_probers_verdict``) and, finding it,
-        declares the fault to the membership (``declare_fault``: the first wakes every rank). When the
-        node's last rank has the verdict (None: stopped first, past the phase's budget, or the
-        store did not answer a watchdog within its 2 s)."""
+        declares the fault to the membership (``declare_fault``: the first wakes every rank).
+        When the node's last rank has the verdict (None: stopped first, past the phase's budget,
+        or the store did not answer a watchdog within its 2 s)."""
         dogs = self.watchdogs
         lead = PROBE_BEATS * BEAT_S
         for dog in dogs.values():  # no step for the deadline less two beats: the probe is due
@@ -723,8 +722,8 @@ def table(rows: list[dict[str, Any]], cap: float) -> str:
             f"{num(r['agreed_s'])} |")
     lines.append(f"\nThe store's capacity here: {cap:,.0f} operations a second "
                  f"({CAPACITY_CLIENTS} client processes). The model's figure is what the job's "
-                 "periods ask for; where the count falls short of it, this machine's cores could not "
-                 "drive every simulated rank.")
+                 "periods ask for; where the count falls short of it, this machine's cores could "
+                 "not drive every simulated rank.")
     lines.append("The simulating processes' share of the machine's cores (steady, hang, lost "
                  "node): " + "; ".join(
                      f"{r['ranks']} ranks " + ", ".join(

@@ -157,8 +157,8 @@ def read_present(store: dist.Store, keys: list[str],
 def watchers(ranks: set[int] | list[int]) -> list[int]:
     """The ranks, of ``ranks``, that watch over a change for all: the first, the middle one and
     the last, on three nodes wherever the job has three of one size (ranks are numbered node by
-    node), so that a node lost meanwhile never takes them all. They read the check-ins and the pulses and
-    close the membership (:func:`close_membership`), and watch the new group's creation
+    node), so that a node lost meanwhile never takes them all. They read the check-ins and the
+    pulses and close the membership (:func:`close_membership`), and watch the new group's creation
     (recovery.py); every other survivor waits for what they write: a pulse read by every
     survivor was W² values, and each survivor's poll of the check-ins hundreds of operations a
     second times W."""
@@ -207,16 +207,16 @@ def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str,
                   confirm: bool = True) -> str:
     """``fault`` (a :class:`Fault`'s JSON), declared in the generation of ``prefix``: the
     generation's one fault, the first declared, is returned. The first to declare wakes every
-    rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so; the others
-    (every survivor declares as its collective fails) that ``confirm`` (the generation's
-    :func:`watchers`, and a rank that found the fault itself) wait for that, instead of writing every rank's wake key again each (W²
-    keys), and wake them themselves only where the first was lost between its writes; the rest
-    return at once: one operation each."""
+    rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so. Of the
+    others (every survivor declares as its collective fails), those that ``confirm`` (the
+    generation's :func:`watchers`, and a rank that found the fault itself) wait for that,
+    instead of writing every rank's wake key again each (W² keys), and wake them themselves only
+    where the first was lost between its writes; the rest return at once: one operation each."""
     agreed = store.compare_set(f"{prefix}fault", "", fault).decode()
     woken = f"{prefix}woken"
-    if agreed != fault and not confirm:
-        return agreed
     if agreed != fault:
+        if not confirm:
+            return agreed
         # Looked at, not waited on: the connection is the declarer's, which the pulse's
         # speaker shares, and a wait would hold it (a node's record standing still for seconds
         # makes its ranks look lost).

@@ -28,6 +28,8 @@ import struct
 import tempfile
 from pathlib import Path
 
+from elastic_mnist.resilience.lease_record import running
+
 SPEAKER_SILENT = 5
 """A slot whose pulse stood still while this process's own moved this many times no longer
 speaks for the node (about 0.5 s): the next live one does."""
@@ -135,17 +137,7 @@ def board_for(host: str, agent: int, launch: str, slots: int, slot: int) -> Node
             owner = earlier.name.split("+")[1]
             if not owner.isdigit() or earlier.name == name:
                 continue
-            if owner == str(agent) or not alive(int(owner)):
+            if owner == str(agent) or not running(int(owner)):
                 with contextlib.suppress(FileNotFoundError):
                     earlier.unlink()
     return NodeBoard(folder, name, slots, slot)
-
-
-def alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's
-        return True
-    return True

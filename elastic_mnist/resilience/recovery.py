@@ -174,10 +174,10 @@ class Recovery:
             members = agreed["members"]
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
-            # Every identity a survivor may still need is read here, in the old generation:
-            # where it places itself from them, or as a watcher of the new one (it reads the
-            # new members' pulses), after the close (every member wrote its own before it
-            # checked in), not as this rank first read them (a watcher's, at its first look).
+            # A survivor that places itself from the identities, or watches the new generation
+            # (it reads the new members' pulses), takes them as they are after the close (every
+            # member wrote its own before it checked in), not as it first read them (a
+            # watcher's, at its first look).
             needs = agreed["nodes"] is None or \
                 members.index(m.env.rank) in watchers(range(len(members)))
             if needs and any(identities[r] == UNKNOWN for r in members):
