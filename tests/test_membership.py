@@ -384,6 +384,24 @@ def test_a_declared_fault_fails_every_pending_and_later_wait(members):
     assert isinstance(fault, Fault) and fault.suspects == [1]
 
 
+def test_a_woken_rank_declares_nothing_more_and_a_watcher_confirms(members):
+    """Of 4 ranks (watchers 0, 2, 3), rank 1, woken by rank 0's declaration, has the one fault
+    without a store operation (every rank's compare_set was W in the fault's busiest second);
+    the watcher 2, woken too, still declares, and confirms that every rank was woken."""
+    ranks = [members(r, world_size=4) for r in range(4)]
+    assert watchers(range(4)) == [0, 2, 3]
+    fault = ranks[0].declare("died", [3], "connection closed")
+    deadline = time.monotonic() + 10
+    while any(m.faulted is None for m in ranks[1:3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    counted = {r: CountingStore(ranks[r].connections.declare) for r in (1, 2)}
+    for r, store in counted.items():
+        object.__setattr__(ranks[r].connections, "declare", store)
+        assert ranks[r].declare("died", [], "late") == fault
+    assert [c for c in counted[1].calls if c != "set"] == []  # its pulse's sets aside
+    assert [c for c in counted[2].calls if c != "set"][:2] == ["compare_set", "check"]
+
+
 def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
     """The watchdog declares through ``declare`` bound to the generation it watched (duties.py): a
     verdict reached there and delivered after a recovery moved on names ranks of a group that is

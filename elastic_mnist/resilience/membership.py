@@ -370,10 +370,16 @@ class Membership(NullMembership):
                 log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
                          generation, why, suspects, current)
                 return None
+            watcher = env.rank in watchers(range(env.world_size))
+            if self.faulted is not None and not watcher:
+                # Woken by the generation's one fault (or declared already): it knows that
+                # fault, and that the first declarer woke every rank. Nothing more to say: a
+                # compare_set by every rank was W operations in the fault's busiest second.
+                return self.faulted
             fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
-            # A rank woken by the first declaration knows that it woke every rank (one
-            # multi_set); one that found the fault itself, or a watcher, makes sure of it.
-            confirm = self.faulted is None or env.rank in watchers(range(env.world_size))
+            # One that found the fault itself, or a watcher, makes sure that every rank was
+            # woken.
+            confirm = self.faulted is None or watcher
             agreed = declare_fault(store, self.key("", current), env.world_size,
                                    json.dumps(asdict(fault)), confirm=confirm)
         return Fault(**json.loads(agreed))
