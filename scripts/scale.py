@@ -22,35 +22,43 @@ each node on connections of its own speaking for its ranks with the job's own co
 - rank 0 beats for the job (``Roster.beat``, every admissions poll); each node's local rank 0
   asks the fence (``CurrentGeneration.dropped``) every lease beat.
 
+A simulating process makes its nodes' periodic traffic in one thread (:func:`steady`), and
+their agreement in a few (``AGREEING``): a thread per node, a thousand of them waking for 2
+cores and for their processes' Python locks, was most of what this machine spent.
+
 Phases, for each size: a steady state (``--steady-s``); a hang (from two beats before the
-deadline, as when the job stops stepping); a lost node (its pulses stop; every survivor declares
-the fault with ``declare_fault`` and checks in, the watchers read the identities, the check-ins
-and the pulses and close the membership with ``close_membership``, deciding from the members'
-positions (the record names the nodes' sizes, from which each survivor finds its place), and
-every other survivor waits for it, as recovery.py does). Not simulated: the new group's
-creation (gloo's own rendezvous on the store, W reads per survivor: docs/recovery.md). It
-prints a table (store operations and bytes a second, per rank, the busiest second, the time to
-a hang verdict, the time to an agreed membership) and writes it as JSON, with the store's own
-load per phase (its process's share of one core, and the round trip of a client that asks
-nothing else) beside the simulating processes' share of the cores: where the latter nears
-them all, the times are this machine's, not the store's. The store's capacity is measured
-first, on the same machine. A phase that does not finish within ``--budget-s`` stops the run at
-that size, saying so: the machine (its cores drive every simulated client) or the design (its
-operations grow faster than its ranks) cannot hold it.
+deadline, as when the job stops stepping); a lost node (its pulses stop; the watchers declare
+the fault with ``declare_fault``, every other survivor is woken by it and reads it, as
+``Membership.declare`` then says nothing more; every survivor checks in, the watchers read the
+identities, the check-ins and the pulses and close the membership with ``close_membership``,
+deciding from the members' positions (the record names the nodes' sizes, from which each
+survivor finds its place), and every other survivor waits for it, as recovery.py does). Not
+simulated: the new group's creation (gloo's own rendezvous on the store, W reads per survivor:
+docs/recovery.md). It prints a table (store operations and bytes a second, per rank, the
+busiest second, the time to a hang verdict, the time to an agreed membership) and writes it as
+JSON, with the store's own load per phase (its process's share of one core, and the round trip
+of a client that asks nothing else), where the agreement's time went (its milestones), and
+what the busiest second of the fault was made of. The store's capacity is measured first, on
+the same machine.
+
+A phase in which the simulated ranks and the store kept ``SATURATED`` of the machine's cores
+busy is not held here: its times are the wait for the cores (a job's rank has its own), its
+targets not judged, and the run stops at that size, saying so; as it does at a phase that does
+not finish within ``--budget-s``: the machine (its cores drive every simulated client) or the
+design (its operations grow faster than its ranks) cannot hold it.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
+import heapq
 import json
 import math
 import multiprocessing as mp
 import os
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -63,6 +71,16 @@ from typing import Any
 
 import markers
 from processes import free_port
+from scale_report import MILESTONES, exponent, not_held, table, targets, verdicts, why_stopped
+from store_load import (
+    CAPACITY_CLIENTS,
+    OPS,
+    Counting,
+    StoreGauge,
+    capacity,
+    serve,
+    stop_serving,
+)
 from torch.distributed import PrefixStore, TCPStore
 
 from elastic_mnist.env import DistEnv
@@ -89,27 +107,22 @@ from elastic_mnist.resilience.watchdog import (
     Watchdog,
     probers,
 )
-from elastic_mnist.stores import listening
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH = "elastic_mnist/sim/launch"
 """The workers' prefix in the store (``elastic_mnist/<run id>/<launch>``, job.py)."""
 PROCESSES = 32
 """Simulating processes: their threads share the machine's cores with the store. Many, for
-Python's lock: a node's thread waits for it after every store call, behind the other threads
-of its process (with 4 processes at 8,000 ranks, a hang's verdict reached the last rank 16 s
-late, and a membership closed 10 s late, with the store a fifth busy): ranks of real nodes
-share no such lock."""
+Python's lock: a thread waits for it after every store call, behind the other threads of its
+process (with 4 processes at 8,000 ranks, a hang's verdict reached the last rank 16 s late,
+and a membership closed 10 s late, with the store a fifth busy): ranks of real nodes share no
+such lock."""
 SIMULATION_NICE = 10
 """The simulating processes' niceness: the store's process (and the gauge's) go first on the
 machine's shared cores, as the store's host's own cores serve it in a job, so that the store's
 times are its own work's, not a wait for the cores."""
-CAPACITY_CLIENTS = 4
-"""Processes that measure the store's capacity, each as fast as it can."""
 CONNECTING = 32
 """Nodes a simulating process opens its connections for at once, as it starts."""
-GAUGE_S = 0.05
-"""How often :class:`StoreGauge` reads the store's load."""
 MONITOR_S = 0.5
 """The agent asks ``num_nodes_waiting`` every ``--monitor-interval``: 0.5 s as jobs/ launch it
 (torch's default, 0.1 s, asks five times as often: 10 N operations a second)."""
@@ -119,67 +132,6 @@ LEASE_BEAT_S = 3.0
 """A node's lease keeper asks the fence every ``--lease-timeout`` / 5 (15 s by default)."""
 ADMISSIONS_S = 0.5
 """Rank 0's admissions poll: a beat of the job each time."""
-MAX_AGREEING = 1024
-"""Surviving nodes whose agreement this machine runs at once, a thread each (speaking for the
-node's ranks in turn): beyond, its threads fight over 2 cores for minutes and time nothing but
-the fight (the lost node is not simulated, and the run stops there, saying so)."""
-OPS = ("set", "get", "add", "check", "multi_get", "multi_set", "compare_set", "wait")
-
-
-class Counting:
-    """A store that counts what passes through it: operations, and bytes of keys and values
-    each way, per second of the wall clock."""
-
-    def __init__(self, store: Any, counts: Counter, lock: threading.Lock, prefix: str = ""):
-        """``prefix``: the prefix ``store`` puts before every key, counted in its bytes."""
-        self._store, self._counts, self._lock = store, counts, lock
-        self._prefix = len(prefix) + 1 if prefix else 0
-
-    def _count(self, ops: int, nbytes: int, keys: int = 1) -> None:
-        second = int(time.time())
-        with self._lock:
-            self._counts[("ops", second)] += ops
-            self._counts[("bytes", second)] += nbytes + keys * self._prefix
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._store.set_timeout(timeout)
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self._store.set(key, value)
-        self._count(1, len(key) + len(value))
-
-    def get(self, key: str) -> bytes:
-        value = self._store.get(key)
-        self._count(1, len(key) + len(value))
-        return value
-
-    def add(self, key: str, amount: int) -> int:
-        value = self._store.add(key, amount)
-        self._count(1, len(key) + 16)
-        return value
-
-    def check(self, keys: list[str]) -> bool:
-        found = self._store.check(keys)
-        self._count(1, sum(map(len, keys)) + 1, len(keys))
-        return found
-
-    def multi_get(self, keys: list[str]) -> list[bytes]:
-        values = self._store.multi_get(keys)
-        self._count(1, sum(map(len, keys)) + sum(map(len, values)), len(keys))
-        return values
-
-    def multi_set(self, keys: list[str], values: list[str]) -> None:
-        self._store.multi_set(keys, values)
-        self._count(1, sum(map(len, keys)) + sum(map(len, values)), len(keys))
-
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        value = self._store.compare_set(key, expected, desired)
-        self._count(1, len(key) + len(expected) + len(desired) + len(value))
-        return value
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        self._store.wait(keys) if timeout is None else self._store.wait(keys, timeout)
-        self._count(1, sum(map(len, keys)), len(keys))
 
 
 class SimWatchdog(Watchdog):
@@ -237,6 +189,9 @@ class Node:
         """Set when the node is lost: its agent and ranks fall silent."""
         self.watching = set(watchers(range(world)))
         """The ranks that confirm a declaration (Membership.declare)."""
+        self.milestones: dict[str, float] = {}
+        """When the node's agreement passed each of its milestones (the latest, for its
+        watchers'): where an agreement's time goes."""
 
     def pulse_key(self, rank: int) -> tuple[str, int]:
         return pulse_key(self.identities[rank])
@@ -260,34 +215,22 @@ class Node:
         if record is not None:
             self.job.set(self.boards[0].key, record)
 
-    def steady(self, until: float, stop: threading.Event) -> None:
-        """The node's periodic traffic until ``until`` (or ``stop``, or the node is lost)."""
+    def periods(self) -> dict[str, float]:
+        """The node's periodic duties (:meth:`_periodic`), and how often each is due."""
         agents = math.ceil(self.world / len(self.ranks))
-        periods = {"pulse": PULSE_S, "beat": BEAT_S, "monitor": MONITOR_S,
-                   "look": look_interval(KEEP_ALIVE_S, agents), "keep_alive": KEEP_ALIVE_S,
-                   "fence": LEASE_BEAT_S, "admissions": ADMISSIONS_S}
-        start = time.time()  # the plan's clock: every simulating process shares it
-        # Nodes' clocks are not in step: each node's duties begin at its own point of their
-        # periods, spread evenly (a look every minute at 1,000 nodes is still counted in a few
-        # seconds' window at its rate).
-        phase = (self.serial * 0.6180339887) % 1
-        due = {name: start + phase * period for name, period in periods.items()}
-        job_agents = list(range(1, agents + 1))
-        while not stop.is_set() and not self.stopped.is_set():
-            name = min(due, key=due.get)
-            wait = due[name] - time.time()
-            if wait > 0 and stop.wait(min(wait, until - time.time())):
-                return
-            if time.time() >= until or self.stopped.is_set():
-                return
-            due[name] += periods[name]
-            try:
-                self._periodic(name, job_agents)
-            except RuntimeError as e:  # DistStoreError: the store answered too late
-                self.errors[first_line(e)[:100]] += 1
+        return {"pulse": PULSE_S, "beat": BEAT_S, "monitor": MONITOR_S,
+                "look": look_interval(KEEP_ALIVE_S, agents), "keep_alive": KEEP_ALIVE_S,
+                "fence": LEASE_BEAT_S, "admissions": ADMISSIONS_S}
+
+    @property
+    def phase(self) -> float:
+        """Where in each period the node's duties fall: nodes' clocks are not in step, and
+        their duties are spread evenly (a look every minute at 1,000 nodes is still counted in
+        a few seconds' window at its rate)."""
+        return (self.serial * 0.6180339887) % 1
 
     def _periodic(self, name: str, job_agents: list[int]) -> None:
-        """One periodic duty of the node (:meth:`steady`)."""
+        """One periodic duty of the node (:func:`steady`)."""
         if name == "pulse":
             self._pulse()
         elif name == "beat":
@@ -304,62 +247,88 @@ class Node:
         elif name == "admissions" and self.ranks.start == 0:
             self.roster.beat()
 
-    def probe(self, stop: threading.Event) -> float | None:
-        """Every rank's watchdog through a hang, from two beats before its deadline: a prober
-        reads every heartbeat twice, two beats apart, and declares; every other rank, from the
-        deadline, looks for the verdict every beat (``_probers_verdict``) and, finding it,
-        declares the fault to the membership (``declare_fault``: the first wakes every rank).
-        When the node's last rank has the verdict (None: stopped first, past the phase's budget,
-        or the store did not answer a watchdog within its 2 s)."""
-        dogs = self.watchdogs
+    def arm(self) -> list[int]:
+        """Every rank's watchdog two beats before its deadline (no step since), the probe due:
+        the node's probers."""
         lead = PROBE_BEATS * BEAT_S
-        for dog in dogs.values():  # no step for the deadline less two beats: the probe is due
+        for dog in self.watchdogs.values():
             dog.last_progress = time.monotonic() - (dog.deadline_s() - lead)
             dog.prober_beats = None
-        chosen = [r for r in self.ranks if r in probers(self.world)]
-        tables = {r: [dogs[r]._table()] for r in chosen}
-        if chosen:
-            time.sleep(lead)
-        for r in chosen:
-            tables[r].append(dogs[r]._table())
-            if None in tables[r]:
-                self.errors["a prober's table: the store did not answer within 2 s"] += 1
-                return None
-            dogs[r]._claim({"rank": None, "ranks": [], "reported_by": r, "last_step": 0,
-                            "reason": "simulated"})
-            declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}))
-        waiting = set(self.ranks) - set(chosen)
-        while waiting and not stop.is_set():
-            for r in sorted(waiting):
-                found = dogs[r]._probers_verdict()
-                if found == "probe":  # the probers stood still, or the store went silent
-                    self.errors["a follower would probe: the probers stood still, or the "
-                                "store did not answer within 2 s"] += 1
-                    return None
-                if found != "wait":  # it declares to the membership, as _follow does
-                    declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": r}),
-                                  confirm=r in self.watching)
-                    waiting.discard(r)
-            if waiting:
-                stop.wait(BEAT_S)  # the node's heartbeats (steady) raise each rank's beats
-        return None if waiting else time.time()
+        return [r for r in self.ranks if r in probers(self.world)]
 
-    def agree(self, world: int, limit_s: float) -> float:
-        """The node's survivors' agreement, as recovery.py makes it: each declares the fault
-        (the first wakes everyone), checks in, and closes the membership, if it is one of the
-        watchers, or waits for it. When the node's ranks have it: in a job they wait for the
-        record side by side and are woken together, here one thread serves them in turn (each
-        one's wait and read still made and counted), so the first one's time stands for all."""
+    def probe(self, rank: int) -> bool:
+        """The prober ``rank`` reads every heartbeat twice, two beats apart, and declares:
+        the watchdog's verdict (``_claim``), then the fault to the membership (``declare_fault``:
+        the first wakes every rank). False if the store did not answer it within its 2 s."""
+        dog = self.watchdogs[rank]
+        tables = [dog._table()]
+        time.sleep(PROBE_BEATS * BEAT_S)
+        tables.append(dog._table())
+        if None in tables:
+            self.errors["a prober's table: the store did not answer within 2 s"] += 1
+            return False
         try:
-            for r in self.ranks:
-                declare_fault(self.agreeing, "g0/", world, json.dumps({"rank": r}),
-                              confirm=r in self.watching)
+            dog._claim({"rank": None, "ranks": [], "reported_by": rank, "last_step": 0,
+                        "reason": "simulated"})
+            declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": rank}))
+        except (RuntimeError, StoreSilent) as e:  # the store answered too late
+            self.errors[first_line(e)[:100] or "a prober's claim: the store went silent"] += 1
+            return False
+        return True
+
+    def follow(self, waiting: set[int]) -> bool:
+        """One beat's look of the node's ``waiting`` ranks, past their deadline, for the
+        probers' verdict (``_probers_verdict``): one that finds it declares to the membership,
+        as ``_follow`` does, and no longer waits. False where one would probe itself (the
+        probers stood still, or the store did not answer within 2 s)."""
+        for r in sorted(waiting):
+            found = self.watchdogs[r]._probers_verdict()
+            if found == "probe":
+                self.errors["a follower would probe: the probers stood still, or the store did "
+                            "not answer within 2 s"] += 1
+                return False
+            if found != "wait":
+                self._declare("hang/", r)
+                waiting.discard(r)
+        return True
+
+    def _declare(self, prefix: str, rank: int) -> None:
+        """``rank`` declares the fault, as Membership.declare does once the first declaration
+        woke it (its watcher's read of the one fault; nothing more), or as a watcher (it
+        declares and confirms): the first declarers, here, as the ranks that find a fault
+        themselves are few (a lost node's neighbours; the others are woken)."""
+        if rank in self.watching:
+            declare_fault(self.agreeing, prefix, self.world, json.dumps({"rank": rank}))
+        else:
+            self.agreeing.get(f"{prefix}fault")  # waits for the first declaration
+
+    def check_in(self) -> bool:
+        """The node's survivors declare the fault (the watchers first: one of them is the
+        first, whose declaration wakes everyone) and check in, as recovery.py's do. False if
+        a store call failed."""
+        try:
+            for r in sorted(self.ranks, key=lambda r: r not in self.watching):
+                self._declare("g0/", r)
                 check_in(self.agreeing, "g0/", r, json.dumps(
                     {"step": 1, "mid_step": False, "evaluated_step": 0}))
-            survivors, woken = set(range(world)), None
-            for r in self.ranks:
-                if r in watchers(survivors):
-                    continue  # in a thread of its own (watch)
+        except RuntimeError as e:
+            self.errors[first_line(e)[:100]] += 1
+            return False
+        self.milestones["checked in"] = time.time()
+        return True
+
+    def waiting(self) -> list[int]:
+        """The node's survivors that wait for the watchers' record (the others are watchers,
+        in threads of their own: :meth:`watch`)."""
+        chosen = watchers(range(self.world))
+        return [r for r in self.ranks if r not in chosen]
+
+    def wait_for_record(self, limit_s: float, ranks: list[int]) -> float | None:
+        """``ranks`` wait for the membership's record and read it, as recovery.py's do, in
+        turn: when the first has it (None: a store call failed)."""
+        survivors, woken = set(range(self.world)), None
+        try:
+            for r in ranks:
                 close_membership(self.agreeing, "g0/", survivors, [], Pulses(
                     self.agreeing, {}, self.pulse_key(r)), limit_s, rank=r)
                 woken = woken or time.time()
@@ -379,6 +348,15 @@ class Node:
         found = read_present(store, [f"g0/id/{r}" for r in range(world)])
         identities = {r: Identity(**json.loads(found[f"g0/id/{r}"])) for r in range(world)}
         keys = {r: pulse_key(identity) for r, identity in identities.items()}
+        self._milestone("identities read")
+        milestone = self._milestone
+
+        class Timed(Pulses):
+            def silent(self) -> set[int]:
+                found = super().silent()
+                if found:
+                    milestone("silence seen")
+                return found
 
         def decide(members: list[int], positions: dict[int, str]) -> dict[str, Any]:
             """As recovery.py's: the agreed step, and what each survivor needs to find its
@@ -390,12 +368,93 @@ class Node:
 
         try:
             close_membership(store, "g0/", set(range(world)), [],
-                             Pulses(store, keys, self.pulse_key(rank)), limit_s, rank=rank,
+                             Timed(store, keys, self.pulse_key(rank)), limit_s, rank=rank,
                              decide=decide)
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
             return None
+        self._milestone("closed")
         return time.time()
+
+    def _milestone(self, name: str) -> None:
+        """Marks ``name`` passed now, where it was not yet."""
+        self.milestones.setdefault(name, time.time())
+
+
+SETTLE_S = 2.0
+"""The steady traffic alone between the hang's end and the lost node: the two faults' busiest
+seconds are each their own (back to back, the lost node's check-ins fell in the hang's last
+second)."""
+AGREEING = 4
+"""Threads of a simulating process that make its survivors' agreement, each for a share of its
+nodes in turn: a thread per node (1,000 at 8,000 ranks) spent this machine's cores on waking
+for them and for its process's lock, and the survivors checked in 8 s after the fault."""
+BATCH_S = 0.005
+"""Duties due within this of the next one are done with it: a process's thread wakes at most
+every few milliseconds, not once per duty."""
+
+
+def steady(nodes: list[Node], until: float, stop: threading.Event) -> None:
+    """The periodic traffic of ``nodes`` until ``until`` (or ``stop``; a node lost falls
+    silent), in one thread: a thread per node woke 20 times a second each, and 1,000 threads
+    waking for the cores and each process's lock took more of this machine than the store's
+    traffic (at 8,000 ranks, 60% of 2 cores, steady). Only sets are made without an answer
+    (the pulses, the heartbeats): a duty that waits for one is a round trip, a few a second
+    per node."""
+    start = time.time()  # the plan's clock: every simulating process shares it
+    due: list[tuple[float, int, str]] = []
+    periods = [node.periods() for node in nodes]
+    for i, node in enumerate(nodes):
+        for name, period in periods[i].items():
+            heapq.heappush(due, (start + node.phase * period, i, name))
+    agents = [list(range(1, math.ceil(node.world / len(node.ranks)) + 1)) for node in nodes]
+    while due and not stop.is_set():
+        wait = due[0][0] - time.time()
+        if wait > 0 and stop.wait(min(wait, until - time.time())):
+            return
+        now = time.time()
+        if now >= until:
+            return
+        while due and due[0][0] <= now + BATCH_S:
+            when, i, name = heapq.heappop(due)
+            node = nodes[i]
+            if node.stopped.is_set():
+                continue
+            # As the job's loops do (a sleep between two beats), a duty this machine's cores
+            # made late is done once, not once per period missed: catching up would write a
+            # burst no job writes (62,000 sets in a second at 8,000 ranks, from starved
+            # threads).
+            period = periods[i][name]
+            heapq.heappush(due, (max(when + period, time.time() + period / 2), i, name))
+            try:
+                node._periodic(name, agents[i])
+            except RuntimeError as e:  # DistStoreError: the store answered too late
+                node.errors[first_line(e)[:100]] += 1
+
+
+def hang(nodes: list[Node], stop: threading.Event) -> float | None:
+    """Every rank of ``nodes`` through a hang, from two beats before its deadline: each
+    prober in a thread of its own (:meth:`Node.probe`), and every other rank, from the deadline,
+    looking for the verdict every beat, in this one (:meth:`Node.follow`; the heartbeats, made
+    by :func:`steady`, go on). When the last rank has the verdict (None: stopped first, past
+    the phase's budget, or the store did not answer a watchdog within its 2 s)."""
+    chosen = {node.serial: node.arm() for node in nodes}
+    probed: list[bool] = []
+    probing = [threading.Thread(target=lambda n=node, r=r: probed.append(n.probe(r)),
+                                daemon=True) for node in nodes for r in chosen[node.serial]]
+    for t in probing:
+        t.start()
+    waiting = {node.serial: set(node.ranks) - set(chosen[node.serial]) for node in nodes}
+    failed = False
+    while any(waiting.values()) and not stop.is_set() and not failed:
+        failed = not all(node.follow(waiting[node.serial]) for node in nodes
+                         if waiting[node.serial])
+        if any(waiting.values()) and not failed:
+            stop.wait(BEAT_S)
+    done = time.time()
+    for t in probing:
+        t.join()
+    return None if failed or any(waiting.values()) or not all(probed) else done
 
 
 def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
@@ -419,25 +478,10 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     result: dict[str, Any] = {}
     stop = threading.Event()
 
-    def run_all(target, args_of) -> tuple[list[threading.Thread], list[Any]]:
-        found: list[Any] = []
-
-        def call(node: Node, args: tuple) -> None:
-            try:
-                found.append(target(node, *args))
-            except RuntimeError as e:  # a store call that timed out: no result
-                node.errors[first_line(e)[:100]] += 1
-                found.append(None)
-
-        threads = [threading.Thread(target=call, args=(n, a), daemon=True)
-                   for n in nodes for a in args_of(n)]
-        for t in threads:
-            t.start()
-        return threads, found
-
     def steady_until(t: float) -> list[threading.Thread]:
-        threads, _ = run_all(Node.steady, lambda n: [(t, stop)])
-        return threads
+        thread = threading.Thread(target=steady, args=(nodes, t, stop), daemon=True)
+        thread.start()
+        return [thread]
 
     # Steady state.
     barrier.wait()
@@ -452,14 +496,15 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     result["cpu"]["hang_from"] = time.process_time()
     deadline = result["hang_from"] + plan["budget_s"]
     background = steady_until(deadline)
-    threads, probed = run_all(lambda n: n.probe(stop), lambda n: [()])
-    for t in threads:
-        t.join(max(0.0, deadline - time.time()))
+    probed: list[float | None] = []
+    thread = threading.Thread(target=lambda: probed.append(hang(nodes, stop)), daemon=True)
+    thread.start()
+    thread.join(max(0.0, deadline - time.time()))
+    if not thread.is_alive():  # the steady traffic alone for a while: each fault's busiest
+        time.sleep(SETTLE_S)   # second its own, not the next one's first
     stop.set()
-    for t in threads:
-        t.join()
-    result["probed"] = (None if None in probed or len(probed) < len(threads)
-                        else max(probed, default=-math.inf))
+    thread.join()
+    result["probed"] = probed[0] if probed else None
     for t in background:
         t.join()
     # A lost node: the last one's pulses stop; every other rank agrees on who is left (where
@@ -481,23 +526,48 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
         if node.serial == lost:
             node.stopped.set()
     background = steady_until(deadline)
-    # Each node's survivors in a thread, each watcher in one of its own.
+    # The survivors in a few threads (AGREEING), each watcher in one of its own.
     chosen = watchers(set(range(world)))
-    threads, agreed = run_all(
-        lambda n, r: n.agree(world, plan["limit_s"]) if r is None else
-        n.watch(r, world, plan["limit_s"], port, counts, lock),
-        lambda n: [] if n.serial == lost else
-        [(None,)] + [(r,) for r in n.ranks if r in chosen])
+    survivors = [n for n in nodes if n.serial != lost]
+    groups = [survivors[i::AGREEING] for i in range(min(AGREEING, len(survivors)))]
+    agreed: list[float | None] = []
+
+    def agree(group: list[Node]) -> None:
+        """``group``'s survivors check in, then wait for the record: the first waiting rank
+        of every node first (in a job a node's ranks wait side by side, woken together, so
+        that the first one's time stands for its node's), then the others (each one's wait
+        and read still made and counted)."""
+        checked = [node.check_in() for node in group]
+        waiting = [node.waiting() for node in group]
+        firsts = [node.wait_for_record(plan["limit_s"], ranks[:1]) if ok else None
+                  for node, ok, ranks in zip(group, checked, waiting, strict=True)]
+        rests = [node.wait_for_record(plan["limit_s"], ranks[1:]) if ok else None
+                 for node, ok, ranks in zip(group, checked, waiting, strict=True)]
+        agreed.extend(None if rest is None else first for first, rest in zip(firsts, rests))
+
+    def watch(node: Node, rank: int) -> None:
+        agreed.append(node.watch(rank, world, plan["limit_s"], port, counts, lock))
+
+    threads = [threading.Thread(target=agree, args=(group,), daemon=True) for group in groups]
+    threads += [threading.Thread(target=watch, args=(node, r), daemon=True)
+                for node in survivors for r in node.ranks if r in chosen]
+    for t in threads:
+        t.start()
     for t in threads:
         t.join(max(0.0, deadline - time.time()))
     # -inf: this process simulates no survivor (the lost node alone).
+    expected = len(survivors) + sum(r in chosen for node in survivors for r in node.ranks)
     result["agreed"] = (max(agreed, default=-math.inf)
-                        if len(agreed) == len(threads) and None not in agreed else None)
+                        if len(agreed) == expected and None not in agreed else None)
     stop.set()
     for t in background:
         t.join()
     result["end"] = time.time()
     result["cpu"]["end"] = time.process_time()
+    result["milestones"] = {}
+    for node in nodes:
+        for name, when in node.milestones.items():
+            result["milestones"].setdefault(name, []).append(when)
     result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
     result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
     shutil.rmtree(folder, ignore_errors=True)
@@ -510,103 +580,6 @@ def receive(pipe: Any, proc: mp.Process) -> Any:
         if not proc.is_alive():
             raise SystemExit(f"scale: a simulating process failed (exit {proc.exitcode})")
     return pipe.recv()
-
-
-def serve(port: int) -> subprocess.Popen:
-    """The store, in a process of its own, as ``elastic-mnist rendezvous`` serves it."""
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "rendezvous", "--host",
-                             "127.0.0.1", "--port", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
-    deadline = time.time() + 60
-    while not listening("127.0.0.1", port, timeout_s=1):
-        if time.time() > deadline or proc.poll() is not None:
-            proc.kill()
-            raise SystemExit(f"scale: the store did not start on port {port}")
-        time.sleep(0.1)
-    return proc
-
-
-def stop_serving(server: subprocess.Popen) -> None:
-    """Ends the store's process: SIGTERM, SIGKILL if it has not ended within 10 s (thousands of
-    connections to close)."""
-    server.terminate()
-    try:
-        server.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        server.wait()
-
-
-class StoreGauge:
-    """The store's own load, read beside the simulation every GAUGE_S: its process's CPU time,
-    and the round trip of a ``check`` by a client that asks nothing else (on this machine's busy
-    cores: an upper bound of the store's own answer)."""
-
-    def __init__(self, port: int, pid: int):
-        self.port, self.pid = port, pid
-        self.trips: list[tuple[float, float]] = []
-        """(when, seconds) of each round trip."""
-        self.cpu: list[tuple[float, float]] = []
-        """(when, the store's CPU seconds so far)."""
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="store-gauge")
-        self._thread.start()
-
-    def _run(self) -> None:
-        store = TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=60))
-        store.set("gauge", "1")
-        tick = os.sysconf("SC_CLK_TCK")
-        stat = Path(f"/proc/{self.pid}/stat")
-        while not self._stop.wait(GAUGE_S):
-            start = time.perf_counter()
-            store.check(["gauge"])
-            self.trips.append((time.time(), time.perf_counter() - start))
-            with contextlib.suppress(OSError, ValueError, IndexError):  # no /proc: no CPU figure
-                # utime and stime, after the command's closing parenthesis (fields 14 and 15)
-                fields = stat.read_text().rpartition(")")[2].split()
-                self.cpu.append((time.time(), (int(fields[11]) + int(fields[12])) / tick))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-    def cpu_share(self, start: float, end: float) -> float | None:
-        """The store's share of one core from ``start`` to ``end``."""
-        inside = [(t, c) for t, c in self.cpu if start <= t <= end]
-        if len(inside) < 2:
-            return None
-        return (inside[-1][1] - inside[0][1]) / max(inside[-1][0] - inside[0][0], 1e-9)
-
-    def round_trip_ms(self, start: float, end: float) -> list[float] | None:
-        """The median and the 99th percentile of the round trips from ``start`` to ``end``."""
-        trips = sorted(s for t, s in self.trips if start <= t <= end)
-        if not trips:
-            return None
-        return [1e3 * trips[len(trips) // 2], 1e3 * trips[min(len(trips) - 1,
-                                                                 int(0.99 * len(trips)))]]
-
-
-def hammer(port: int, seconds: float, out: Any) -> None:
-    """One client's fastest stream of ``add``s on its own key (a pulse)."""
-    store = TCPStore("127.0.0.1", port, is_master=False)
-    done, end = 0, time.time() + seconds
-    while time.time() < end:
-        for _ in range(100):
-            store.add(f"capacity/{os.getpid()}", 1)
-        done += 100
-    out.send(done)
-
-
-def capacity(port: int, clients: int, seconds: float = 3.0) -> float:
-    """The store's operations a second, as ``clients`` processes on this machine drive it."""
-    pipes = [mp.Pipe(duplex=False) for _ in range(clients)]
-    procs = [mp.Process(target=hammer, args=(port, seconds, w)) for _, w in pipes]
-    for p in procs:
-        p.start()
-    total = sum(r.recv() for r, _ in pipes)
-    for p in procs:
-        p.join()
-    return total / seconds
 
 
 def model(ranks: int, per_node: int) -> dict[str, float]:
@@ -631,8 +604,8 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         nodes = [(serial, range(start, min(start + per_node, ranks)))
                  for serial, start in enumerate(range(0, ranks, per_node), start=1)]
         shares = [nodes[i::PROCESSES] for i in range(min(PROCESSES, len(nodes)))]
-        # One node: nobody to go on; too many survivors for this machine: not simulated.
-        lost = nodes[-1][0] if 1 < len(nodes) and len(nodes) - 1 <= MAX_AGREEING else None
+        # One node: nobody to go on.
+        lost = nodes[-1][0] if len(nodes) > 1 else None
         plan = {"steady_s": steady_s, "budget_s": budget_s, "lost_node": lost,
                 "nodes": nodes, "limit_s": hang_timeout, "hang_timeout": hang_timeout}
         pipes = [mp.Pipe(duplex=False) for _ in shares]
@@ -665,6 +638,8 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
     steady = window("ops", when("steady_from") + 1, min(r["steady_to"] for r in results))
     steady_bytes = window("bytes", when("steady_from") + 1, min(r["steady_to"] for r in results))
     fault = window("ops", min(r["hang_from"] for r in results), when("end"))
+    first_fault = int(min(r["hang_from"] for r in results))
+    busiest = first_fault + max(range(len(fault)), key=fault.__getitem__) if fault else None
     probed = [r["probed"] for r in results]
     agreed = [r.get("agreed") for r in results]
     ops_s = sum(steady) / max(len(steady), 1)
@@ -684,6 +659,7 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         return min(r[start] for r in results), max(r[end] for r in results)
 
     demanded = sum(model(ranks, per_node).values())
+    cores = os.cpu_count() or 1
     return {
         "ranks": ranks, "nodes": len(nodes), "ranks_per_node": per_node,
         "model_ops_s": demanded, "driven": ops_s / demanded,
@@ -692,122 +668,36 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         "busiest_second_steady": max(steady, default=0),
         "busiest_second_fault": max(fault, default=0),
         "busiest_fraction_of_capacity": max([*steady, *fault], default=0) / cap,
+        # What the busiest second of the fault was made of, and when it was (from the phase of
+        # the lost node: where it was in the hang, negative).
+        "busiest_second_fault_ops": {} if busiest is None else {
+            op: counts[(op, busiest)] for op in OPS if counts[(op, busiest)]},
+        "busiest_second_fault_at_s": None if busiest is None else busiest - when("lost_from"),
+        "busiest_second_fault_phase": None if busiest is None
+        else "hang" if busiest < int(when("lost_from")) else "lost node",
         # The probe starts two beats before the deadline (Watchdog._probe_due): the verdict is
         # at the deadline, or when the slowest probe has read its second table, if later.
         "hang_verdict_s": None if None in probed else max(
             hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + max(probed) - when("hang_from")),
         "agreed_s": None if lost is None or None in agreed else max(agreed) - when("lost_from"),
+        # Where the agreement's time went: the last survivor checked in, the first watcher
+        # read the identities, saw the lost node's silence, closed the membership.
+        "agreement_milestones_s": {
+            name: pick(t for r in results for t in r.get("milestones", {}).get(name, []))
+            - when("lost_from")
+            for name, pick in MILESTONES.items()
+            if any(name in r.get("milestones", {}) for r in results)},
         "store_errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
-        "simulation_cpu_share": {name: busy(*keys) for name, keys in phases.items()},
-        "store_cpu_share": {name: gauge.cpu_share(*span(*keys)) for name, keys in phases.items()},
+        "simulation_cpu_share": (simulated := {name: busy(*keys)
+                                               for name, keys in phases.items()}),
+        "store_cpu_share": (served := {name: gauge.cpu_share(*span(*keys))
+                                       for name, keys in phases.items()}),
+        # The share of this machine's cores the simulated ranks and the store used together.
+        "machine_busy": {name: (simulated[name] * cores + (served[name] or 0)) / cores
+                         for name in phases},
         "store_round_trip_ms": {name: gauge.round_trip_ms(*span(*keys))
                                 for name, keys in phases.items()},
     }
-
-
-def table(rows: list[dict[str, Any]], cap: float) -> str:
-    def num(v: float | None, fmt: str = ".1f") -> str:
-        return "—" if v is None else format(v, fmt)
-
-    lines = [("| ranks (nodes) | store ops/s (model) | per rank | bytes/s | busiest second: "
-              "steady, fault (share of capacity) | hang verdict (s) | agreed membership (s) |"),
-             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        lines.append(
-            f"| {r['ranks']} ({r['nodes']}) | {r['steady_ops_s']:,.0f} "
-            f"({r['model_ops_s']:,.0f}) | "
-            f"{r['steady_ops_s_per_rank']:.1f} | {r['steady_bytes_s'] / 1e6:.2f} MB | "
-            f"{r['busiest_second_steady']:,}, {r['busiest_second_fault']:,} "
-            f"({r['busiest_fraction_of_capacity']:.0%}) | {num(r['hang_verdict_s'])} | "
-            f"{num(r['agreed_s'])} |")
-    lines.append(f"\nThe store's capacity here: {cap:,.0f} operations a second "
-                 f"({CAPACITY_CLIENTS} client processes). The model's figure is what the job's "
-                 "periods ask for; where the count falls short of it, this machine's cores could "
-                 "not drive every simulated rank.")
-    lines.append("The simulating processes' share of the machine's cores (steady, hang, lost "
-                 "node): " + "; ".join(
-                     f"{r['ranks']} ranks " + ", ".join(
-                         f"{share:.0%}" for share in r["simulation_cpu_share"].values())
-                     for r in rows) + ".")
-    def load(r: dict[str, Any], phase: str) -> str:
-        trip = r["store_round_trip_ms"][phase]
-        return (f"{num(r['store_cpu_share'][phase], '.0%')} "
-                + ("—" if trip is None else f"{trip[0]:.1f}/{trip[1]:.1f} ms"))
-
-    lines.append("The store's own process (one event loop), its share of one core and the round "
-                 "trip of a client that asks nothing else, median/99th percentile (steady, "
-                 "hang, lost node): " + "; ".join(
-                     f"{r['ranks']} ranks " + ", ".join(load(r, phase)
-                                                        for phase in r["store_cpu_share"])
-                     for r in rows) + ".")
-    for r in rows:
-        if r["store_errors"]:
-            lines.append(f"At {r['ranks']} ranks, {sum(r['store_errors'].values()):,} store "
-                         f"calls failed, e.g. \"{next(iter(r['store_errors']))}\".")
-    return "\n".join(lines)
-
-
-def why_stopped(row: dict[str, Any], budget_s: float) -> list[str]:
-    """Why a size's row ends the run (nothing: it does not)."""
-    reasons = []
-    if row["hang_verdict_s"] is None:
-        reasons.append(f"the hang's probes did not finish within {budget_s:g} s on this machine, "
-                       "or a store call in them timed out")
-    survivors = row["nodes"] - 1
-    if row["nodes"] > 1 and survivors > MAX_AGREEING:
-        reasons.append(f"the lost node was not simulated: {survivors:,} surviving nodes "
-                       f"agreeing, a thread each, are more than this machine runs at once "
-                       f"({MAX_AGREEING:,})")
-    elif row["nodes"] > 1 and row["agreed_s"] is None:
-        reasons.append(f"the agreement did not finish within {budget_s:g} s, or a store call in "
-                       "it timed out")
-    return reasons
-
-
-AGREED_TARGET_S = 2.0
-"""The issue's target for an agreed membership after a lost node."""
-VERDICT_MARGIN_S = 2.0
-"""A hang's verdict is due within ``--hang-timeout`` and this."""
-BUSIEST_TARGET = 0.25
-"""The store's busiest second, steady or in a fault, under this share of its capacity."""
-
-
-def targets(row: dict[str, Any], hang_timeout: float, cap: float) -> dict[str, bool | None]:
-    """Which of the targets a size's row meets (None: not measured there)."""
-    return {
-        "busiest second steady": row["busiest_second_steady"] < BUSIEST_TARGET * cap,
-        "busiest second in a fault": row["busiest_second_fault"] < BUSIEST_TARGET * cap,
-        "hang verdict": None if row["hang_verdict_s"] is None
-        else row["hang_verdict_s"] <= hang_timeout + VERDICT_MARGIN_S,
-        "agreed membership": None if row["agreed_s"] is None
-        else row["agreed_s"] <= AGREED_TARGET_S,
-    }
-
-
-def verdicts(rows: list[dict[str, Any]], hang_timeout: float) -> str:
-    """The targets each size met, in a line, and the largest size that met them all."""
-    parts, largest = [], None
-    for r in rows:
-        met = r["targets"]
-        missed = [name for name, ok in met.items() if ok is False]
-        parts.append(f"{r['ranks']} ranks " + (f"missed: {', '.join(missed)}" if missed
-                                              else "met every one measured"))
-        largest = r["ranks"] if not missed else largest
-    return (f"Targets (the busiest second under {BUSIEST_TARGET:.0%} of the capacity, steady and "
-            f"in a fault; a hang's verdict within {hang_timeout + VERDICT_MARGIN_S:g} s; an "
-            f"agreed membership within {AGREED_TARGET_S:g} s): " + "; ".join(parts)
-            + (f". The largest size that met them all here: {largest} ranks." if largest
-               else "."))
-
-
-def exponent(rows: list[dict[str, Any]], lo: int, hi: int,
-             field: str = "steady_ops_s") -> float | None:
-    """The growth exponent of the steady operations a second (``field``: as counted, or as the
-    model says) from ``lo`` to ``hi`` ranks."""
-    by = {r["ranks"]: r[field] for r in rows}
-    if lo not in by or hi not in by or by[lo] <= 0:
-        return None
-    return math.log(by[hi] / by[lo]) / math.log(hi / lo)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -853,6 +743,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"scale: {ranks} ranks ...", flush=True)
         row = measure(ranks, args.ranks_per_node, args.steady_s, args.hang_timeout,
                       args.budget_s, cap)
+        row["not_held"] = not_held(row)
         row["targets"] = targets(row, args.hang_timeout, cap)
         rows.append(row)
         reasons = why_stopped(row, args.budget_s)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import gzip
 import json
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -335,6 +337,43 @@ def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_p
     assert row["targets"]["busiest second steady"] is True
     assert row["targets"]["hang verdict"] is (row["hang_verdict_s"] <= 6 + 2)
     assert "16 ranks" in result.stdout and "Targets (" in result.stdout
+    # 16 ranks keep this machine's cores far from busy: every phase held, every target judged.
+    assert row["not_held"] == {} and all(0 <= busy < 0.8 for busy in row["machine_busy"].values())
+    # Where the agreement's time went: the survivors checked in at once, the watchers closed
+    # it once the lost node's pulses stood still.
+    went = row["agreement_milestones_s"]
+    assert went["checked in"] < 1.0 and went["identities read"] < 1.0, went
+    assert went["identities read"] <= went["silence seen"] <= went["closed"] <= row["agreed_s"]
+    assert sum(row["busiest_second_fault_ops"].values()) == row["busiest_second_fault"]
+
+
+class Stalling:
+    """A simulated node whose first pulse takes 0.3 s (this machine's cores were elsewhere)."""
+
+    ranks, world, phase, serial = range(8), 8, 0.0, 1
+
+    def __init__(self):
+        self.stopped, self.calls, self.errors = threading.Event(), [], {}
+
+    def periods(self):
+        return {"pulse": 0.05}
+
+    def _periodic(self, name, agents):
+        self.calls.append(time.monotonic())
+        if len(self.calls) == 1:
+            time.sleep(0.3)
+
+
+def test_a_late_duty_is_done_once_not_once_per_period_missed():
+    """scale.py's steady traffic after a stall goes on at its period, as the job's loops (a
+    sleep between two beats) do: catching up each missed pulse at once was a burst of sets no
+    job writes (62,000 in a second at 8,000 ranks)."""
+    import scale
+
+    node = Stalling()
+    scale.steady([node], time.time() + 0.7, threading.Event())
+    gaps = [b - a for a, b in zip(node.calls, node.calls[1:])]
+    assert len(node.calls) >= 5 and min(gaps) >= 0.02, gaps
 
 
 def test_scale_refuses_bad_sizes_in_one_line():
@@ -343,3 +382,24 @@ def test_scale_refuses_bad_sizes_in_one_line():
     lines = [line for line in result.stdout.splitlines() if line.startswith("scale.py: error")]
     assert result.returncode == 2 and lines == [
         "scale.py: error: --sizes must be whole numbers, comma-separated: '8,lots'"], result.stdout
+
+
+def test_a_phase_this_machine_did_not_hold_still_tells_one_way():
+    """A phase whose simulated ranks queued for this machine's cores (scale_report.not_held)
+    leaves a time that missed its target, and a busiest second under its own, unjudged; a time
+    met there is met, and a busiest second over its target is over it."""
+    import scale_report
+
+    row = {"busiest_second_steady": 10, "busiest_second_fault": 30, "hang_verdict_s": 11.0,
+           "agreed_s": 3.0, "driven": 1.0, "nodes": 2,
+           "machine_busy": {"steady": 0.3, "hang": 0.5, "lost node": 0.9}}
+    row["not_held"] = scale_report.not_held(row)
+    assert list(row["not_held"]) == ["lost node"]
+    assert scale_report.targets(row, hang_timeout=10, cap=100) == {
+        "busiest second steady": True, "busiest second in a fault": False,
+        "hang verdict": True, "agreed membership": None}
+    row.update(busiest_second_fault=20, agreed_s=1.5)
+    assert scale_report.targets(row, hang_timeout=10, cap=100) == {
+        "busiest second steady": True, "busiest second in a fault": None,
+        "hang verdict": True, "agreed membership": True}
+    assert "did not hold its lost node" in scale_report.why_stopped(row, budget_s=60)[0]
