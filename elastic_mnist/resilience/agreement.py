@@ -203,20 +203,17 @@ it is starved of CPU (half a second was not enough for 8,000 simulated ranks on 
 every rank then woke every rank: W² keys)."""
 
 
-def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str,
-                  confirm: bool = True) -> str:
+def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -> str:
     """``fault`` (a :class:`Fault`'s JSON), declared in the generation of ``prefix``: the
     generation's one fault, the first declared, is returned. The first to declare wakes every
-    rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so. Of the
-    others (every survivor declares as its collective fails), those that ``confirm`` (the
-    generation's :func:`watchers`, and a rank that found the fault itself) wait for that,
-    instead of writing every rank's wake key again each (W² keys), and wake them themselves only
-    where the first was lost between its writes; the rest return at once: one operation each."""
+    rank (``{prefix}wake/<rank>``, which each rank's watcher waits on), then says so. A later
+    declarer (one of the generation's :func:`watchers`, or a rank that found the fault itself,
+    before it was woken: a woken rank declares nothing, see ``Membership.declare``) waits for
+    that, instead of writing every rank's wake key again (W² keys), and wakes them itself only
+    where the first was lost between its writes."""
     agreed = store.compare_set(f"{prefix}fault", "", fault).decode()
     woken = f"{prefix}woken"
     if agreed != fault:
-        if not confirm:
-            return agreed
         # Looked at, not waited on: the connection is the declarer's, which the pulse's
         # speaker shares, and a wait would hold it (a node's record standing still for seconds
         # makes its ranks look lost).

@@ -370,18 +370,17 @@ class Membership(NullMembership):
                 log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
                          generation, why, suspects, current)
                 return None
-            watcher = env.rank in watchers(range(env.world_size))
-            if self.faulted is not None and not watcher:
+            known = self.faulted  # read once: the watcher thread may set it meanwhile
+            if known is not None and env.rank not in watchers(range(env.world_size)):
                 # Woken by the generation's one fault (or declared already): it knows that
                 # fault, and that the first declarer woke every rank. Nothing more to say: a
                 # compare_set by every rank was W operations in the fault's busiest second.
-                return self.faulted
-            fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
+                return known
             # One that found the fault itself, or a watcher, makes sure that every rank was
-            # woken.
-            confirm = self.faulted is None or watcher
+            # woken (declare_fault).
+            fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
             agreed = declare_fault(store, self.key("", current), env.world_size,
-                                   json.dumps(asdict(fault)), confirm=confirm)
+                                   json.dumps(asdict(fault)))
         return Fault(**json.loads(agreed))
 
     def identities(self, store: dist.Store | None = None, generation: int | None = None,
