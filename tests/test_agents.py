@@ -30,7 +30,7 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils.store import barrier
 
-from elastic_mnist.resilience import agents
+from elastic_mnist.resilience import agents, plugin
 from elastic_mnist.resilience.agents import AgentsHandler, GracefulExit, Settings
 from elastic_mnist.resilience.roster import (
     LOOKED_AT_S,
@@ -623,12 +623,31 @@ def test_the_backend_is_registered_as_torchrun_finds_it():
     and what it names makes handlers; where the package is installed, its metadata says so too."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11
     declared = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["entry-points"]
-    assert declared["torchrun.handlers"] == {"elastic-mnist": "elastic_mnist.resilience.agents:backend"}
-    assert agents.backend() is agents.create_handler
+    assert declared["torchrun.handlers"] == {"elastic-mnist": "elastic_mnist.resilience.plugin:backend"}
+    assert plugin.backend() is plugin.create_handler
     installed = [ep for ep in metadata.entry_points(group="torchrun.handlers")
                  if ep.name == "elastic-mnist"]
     if installed:
-        assert installed[0].value == "elastic_mnist.resilience.agents:backend"
+        assert installed[0].value == "elastic_mnist.resilience.plugin:backend"
+
+
+def test_importing_the_backend_first_registers_it_without_a_warning():
+    """torch loads the entry point as its rendezvous package is first imported: a process that
+    imports agents.py first starts that import from agents.py's own imports. The entry point's
+    module imports nothing, so torch never finds a module half made (it warned, with a
+    traceback, and registered no backend), and the backend is registered."""
+    installed_backend()
+    # Registering another creator under a registered name is refused (torch's public
+    # register): the refusal says that ours is registered.
+    script = ("import elastic_mnist.resilience.agents\n"
+              "from torch.distributed.elastic.rendezvous import registry\n"
+              "try:\n    registry.handler_registry.register('elastic-mnist', print)\n"
+              "except ValueError as e:\n    print(e)\n")
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True,
+                            text=True, env=clean_env(), timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "Exception while registering" not in result.stderr, result.stderr
+    assert "is already registered with '<function create_handler" in result.stdout, result.stdout
 
 
 def installed_backend() -> None:

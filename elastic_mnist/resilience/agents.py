@@ -1,8 +1,8 @@
 """Our rendezvous backend for torchrun's agents: ``--rdzv_backend=elastic-mnist``.
 
-torchrun finds it under the ``torchrun.handlers`` entry points (pyproject.toml): :func:`backend`
-returns :func:`create_handler`, which builds an :class:`AgentsHandler` for each agent, on the
-public ``RendezvousHandler`` interface only. Its records are roster.py's, which the workers'
+torchrun finds it under the ``torchrun.handlers`` entry points (pyproject.toml, plugin.py):
+:func:`create_handler` builds an :class:`AgentsHandler` for each agent, on the public
+``RendezvousHandler`` interface only. Its records are roster.py's, which the workers'
 membership reads too, so agents and workers share one membership:
 
 - each agent takes a serial and keeps a keep-alive counter moving from a thread of its own for
@@ -81,11 +81,6 @@ LINGER_S = 1.0
 barrier to leave it (their store goes with it)."""
 CONF = {"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
         "is_host", "timeout", "read_timeout"}
-
-
-def backend() -> Callable[[RendezvousParameters], RendezvousHandler]:
-    """The ``torchrun.handlers`` entry point: torchrun calls it with no arguments."""
-    return create_handler
 
 
 def create_handler(params: RendezvousParameters) -> AgentsHandler:
