@@ -337,18 +337,23 @@ class Node:
             return None
         return woken or time.time()
 
-    def watch(self, rank: int, world: int, limit_s: float, port: int, counts: Counter,
-              lock: threading.Lock) -> float:
-        """A watcher's agreement (on a connection of its own): it reads every rank's identity
-        (where its pulse is), the check-ins and the pulses, closes the membership and decides,
-        reading the members' positions once."""
+    def watcher(self, port: int, counts: Counter, lock: threading.Lock
+                ) -> tuple[Counting, dict[int, Identity]]:
+        """A watcher's connection of its own, and every rank's identity (where its pulse is),
+        read on it as the generation began (Membership._read_identities), before any fault."""
         store = Counting(PrefixStore(LAUNCH, TCPStore("127.0.0.1", port, is_master=False,
                                                       timeout=timedelta(seconds=300))),
                          counts, lock, LAUNCH)
-        found = read_present(store, [f"g0/id/{r}" for r in range(world)])
-        identities = {r: Identity(**json.loads(found[f"g0/id/{r}"])) for r in range(world)}
+        found = read_present(store, [f"g0/id/{r}" for r in range(self.world)])
+        return store, {r: Identity(**json.loads(found[f"g0/id/{r}"])) for r in range(self.world)}
+
+    def watch(self, rank: int, limit_s: float, store: Counting,
+              identities: dict[int, Identity]) -> float | None:
+        """A watcher's agreement (on its own connection, with the identities it read ahead:
+        :meth:`watcher`): it reads the check-ins and the pulses, closes the membership and
+        decides, reading the members' positions once."""
+        world = self.world
         keys = {r: pulse_key(identity) for r, identity in identities.items()}
-        self._milestone("identities read")
         milestone = self._milestone
 
         class Timed(Pulses):
@@ -508,7 +513,9 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     for t in background:
         t.join()
     # A lost node: the last one's pulses stop; every other rank agrees on who is left (where
-    # there is another node).
+    # there is another node). Its watchers read the identities as the generation began.
+    ahead = {r: node.watcher(port, counts, lock) for node in nodes for r in node.ranks
+             if r in watchers(range(world)) and node.serial != plan["lost_node"]}
     stop.clear()
     barrier.wait()
     if plan["lost_node"] is None:
@@ -546,7 +553,7 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
         agreed.extend(None if rest is None else first for first, rest in zip(firsts, rests))
 
     def watch(node: Node, rank: int) -> None:
-        agreed.append(node.watch(rank, world, plan["limit_s"], port, counts, lock))
+        agreed.append(node.watch(rank, plan["limit_s"], *ahead[rank]))
 
     threads = [threading.Thread(target=agree, args=(group,), daemon=True) for group in groups]
     threads += [threading.Thread(target=watch, args=(node, r), daemon=True)

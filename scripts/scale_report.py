@@ -9,7 +9,7 @@ from typing import Any
 
 from store_load import CAPACITY_CLIENTS
 
-MILESTONES = {"checked in": max, "identities read": min, "silence seen": min, "closed": min}
+MILESTONES = {"checked in": max, "silence seen": min, "closed": min}
 """The agreement's milestones (scale.py's ``Node``), each the last node's (``max``) or the
 first watcher's (``min``)."""
 
@@ -71,8 +71,8 @@ def table(rows: list[dict[str, Any]], cap: float) -> str:
     agreed = [r for r in rows if r.get("agreement_milestones_s")]
     if agreed:
         lines.append("Where the agreement's time went, in seconds after the node was lost (the "
-                     "last survivor checked in; the first watcher had read the identities, "
-                     "seen the lost node's silence, closed the membership): " + "; ".join(
+                     "last survivor checked in; the first watcher had seen the lost node's "
+                     "silence, closed the membership): " + "; ".join(
                          f"{r['ranks']} ranks " + ", ".join(
                              num(r["agreement_milestones_s"].get(name), ".2f")
                              for name in MILESTONES) for r in agreed) + ".")

@@ -405,6 +405,22 @@ def test_a_woken_rank_declares_nothing_more_and_a_watcher_confirms(members):
     assert [c for c in counted[2].calls if c != "set"] == ["compare_set", "check"]
 
 
+def test_the_watchers_read_the_identities_as_their_generation_begins(members):
+    """The watchers (0, 2 and 3 of 4) read every rank's identity once all have said who they
+    are, before any fault: a recovery then reads the lost node's pulses from its first look.
+    The others never read them unless a recovery needs them."""
+    ranks = [members(r, world_size=4) for r in range(4)]
+    deadline = time.monotonic() + 10
+    while not all(ranks[r].known.ready for r in (0, 2, 3)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for r in (0, 2, 3):
+        assert ranks[r].known.ready and ranks[r].known.generation == 0
+        assert {rank: i.nonce for rank, i in ranks[r].known.read().items()} == {
+            rank: m.identity.nonce for rank, m in enumerate(ranks)}
+        assert UNKNOWN not in ranks[r].known.values()
+    assert not ranks[1].known.ready
+
+
 def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
     """The watchdog declares through ``declare`` bound to the generation it watched (duties.py): a
     verdict reached there and delivered after a recovery moved on names ranks of a group that is

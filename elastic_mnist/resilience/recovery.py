@@ -77,16 +77,31 @@ DROPPED_QUESTION_S = 2.0
 
 
 class ReadOnce(Mapping[int, Identity]):
-    """A generation's identities, read from the store at the first look, once."""
+    """A generation's identities, read from the store at the first look, once (or offered
+    before it: :meth:`offer`)."""
 
-    def __init__(self, read: Callable[[], dict[int, Identity]]):
+    def __init__(self, read: Callable[[], dict[int, Identity]], generation: int = -1):
         self._read = read
+        self.generation = generation
         self._found: dict[int, Identity] | None = None
+        self._lock = threading.Lock()
 
     def read(self, again: bool = False) -> dict[int, Identity]:
-        if self._found is None or again:
-            self._found = self._read()
-        return self._found
+        with self._lock:
+            if self._found is None or again:
+                self._found = self._read()
+            return self._found
+
+    @property
+    def ready(self) -> bool:
+        """Read already: a look costs no store operation."""
+        return self._found is not None
+
+    def offer(self, found: dict[int, Identity]) -> None:
+        """``found``, read elsewhere, where nothing was read yet."""
+        with self._lock:
+            if self._found is None:
+                self._found = found
 
     def __getitem__(self, rank: int) -> Identity:
         return self.read()[rank]
@@ -138,11 +153,13 @@ class Recovery:
             m.inject(self.phase)
             check_in(m.store, m.key(""), m.env.rank, json.dumps(asdict(position)))
             m.inject("checked in")
-            # Read by the watchers (whose pulses they are), by a survivor that closes the
-            # membership itself, and where the nodes' sizes do not place every survivor: every
-            # survivor reading every identity was W² values (12.8 GB at 8,000 ranks).
-            identities = ReadOnce(lambda g=m.generation, w=m.env.world_size: m.identities(
-                generation=g, world_size=w))
+            # Read by the watchers (whose pulses they are: read as their generation began,
+            # Membership.known), by a survivor that closes the membership itself, and where the
+            # nodes' sizes do not place every survivor: every survivor reading every identity
+            # was W² values (12.8 GB at 8,000 ranks).
+            identities = m.known if m.known.generation == m.generation else ReadOnce(
+                lambda g=m.generation, w=m.env.world_size: m.identities(generation=g,
+                                                                        world_size=w))
             pulses = Pulses(m.store, lambda: {r: pulse_key(i) for r, i in identities.items()},
                             m.pulse_key)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
