@@ -421,6 +421,30 @@ def test_the_watchers_read_the_identities_as_their_generation_begins(members):
     assert not ranks[1].known.ready
 
 
+def test_a_watcher_recovers_with_the_identities_it_read_ahead_and_passes_them_on(members):
+    """Rank 1 of 2 read the identities as the generation began; rank 0 leaves. Rank 1's
+    recovery decides from them, never reading them, and the next generation has them from it,
+    with no read."""
+    from elastic_mnist.resilience import agreement
+
+    lost, survivor = members(0), members(1)
+    deadline = time.monotonic() + 10
+    while not survivor.known.ready and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert survivor.known.ready
+    lost.close()  # it left: it never checks in
+    reads: list[int] = []
+    read = survivor.identities
+    survivor.identities = lambda *args, **kwargs: reads.append(1) or read(*args, **kwargs)
+    with no_group_left():
+        change = survivor.recover(agreement.Position(step=3, mid_step=False, evaluated_step=0),
+                                  why="left", suspects=(0,))
+    assert (change.env.world_size, change.lost[0]["rank"]) == (1, 0)
+    assert reads == []
+    assert survivor.known.generation == 1 and survivor.known.ready
+    assert survivor.known[0].nonce == survivor.identity.nonce
+
+
 def test_a_verdict_on_a_generation_that_is_over_is_dropped(store, members):
     """The watchdog declares through ``declare`` bound to the generation it watched (duties.py): a
     verdict reached there and delivered after a recovery moved on names ranks of a group that is

@@ -248,16 +248,20 @@ class Membership(NullMembership):
         """``name`` in the prefix of ``generation`` (the current one by default)."""
         return generation_key(self.generation if generation is None else generation, name)
 
-    def _start_generation(self) -> None:
+    def _start_generation(self, identities: dict[int, Identity] | None = None) -> None:
+        """Says who this rank is in the generation, and watches it. ``identities``: every
+        member's, where the change that began it knew them."""
         self.store.set(self.key(f"id/{self.env.rank}"), json.dumps(asdict(self.identity)))
         generation, world_size = self.generation, self.env.world_size
         self.known = ReadOnce(lambda: self.identities(generation=generation,
                                                       world_size=world_size), generation)
         """The generation's identities: its watchers read them as it begins
         (:meth:`_read_identities`), the others only if a recovery needs them."""
-        if self.env.rank in watchers(range(world_size)):
-            threading.Thread(target=self._read_identities, args=(self.known,), daemon=True,
-                             name=f"membership-identities-g{generation}").start()
+        if identities is not None:
+            self.known.offer(identities)
+        if self.env.rank in watchers(range(world_size)) and not self.known.ready:
+            threading.Thread(target=self._read_identities, args=(self.known, world_size),
+                             daemon=True, name=f"membership-identities-g{generation}").start()
         # The last generation's watcher was woken by the fault's declaration and is done: its
         # connection is free (a new one only if it still waits, for a store that stalls).
         if self._watcher is not None:
@@ -269,25 +273,32 @@ class Membership(NullMembership):
                                          name=f"membership-watch-g{self.generation}")
         self._watcher.start()
 
-    def _read_identities(self, known: ReadOnce) -> None:
+    def _read_identities(self, known: ReadOnce, world_size: int) -> None:
         """A watcher of ``known``'s generation reads its identities once every rank has said
         who it is, before any fault: a lost node's pulses are then read from the moment the
         fault is known, not once W identities have been (at 2,048 simulated ranks, 0.3 s of the
         2 s an agreement may take). Looked for, not waited on, on the declarations' connection
         (quick operations only: a wait would hold it; a connection of its own can take seconds
         to open, on the store's resolver). Where a rank never says who it is, or the store does
-        not answer, a recovery reads them itself."""
-        keys = [self.key(f"id/{rank}", known.generation) for rank in range(self.env.world_size)]
+        not answer, a recovery reads them itself; where the recovery that began the generation
+        knew them already, it offered them (:meth:`Recovery.next_generation`)."""
+        keys = [self.key(f"id/{rank}", known.generation) for rank in range(world_size)]
         store = self.connections.declare
         pause, deadline = 0.05, time.monotonic() + self.pg_timeout.total_seconds()
+
+        def moot() -> bool:
+            return known.ready or known.generation != self.generation or self._closed
+
         try:
-            while not store.check(keys):
-                if time.monotonic() >= deadline or known.generation != self.generation:
+            while not moot() and not store.check(keys):
+                if time.monotonic() >= deadline:
+                    log.debug("the identities of generation %d were not read ahead: not every "
+                              "rank said who it is within %s", known.generation, self.pg_timeout)
                     return
                 time.sleep(pause)
                 pause = min(2 * pause, 1.0)
-            if known.generation == self.generation:
-                known.offer(self.identities(store, known.generation, len(keys)))
+            if not moot():
+                known.offer(self.identities(store, known.generation, world_size))
         except RuntimeError as e:  # DistStoreError: the store went; a recovery says so
             log.debug("the identities of generation %d were not read ahead: %s",
                       known.generation, first_line(e))
@@ -475,11 +486,13 @@ class Membership(NullMembership):
         self.recovery.fall_back(reason)
 
     def move_on(self, change: Change, kept_ranks: list[int], gone: int = 0,
-                joined: set[tuple[str, int]] = frozenset()) -> None:
+                joined: set[tuple[str, int]] = frozenset(),
+                identities: dict[int, Identity] | None = None) -> None:
         """Leaves the failed group to its threads and moves to ``change``'s generation, of the
         last generation's ``kept_ranks`` (and the joiners of a grow): named the job's current
         one, and watched. ``gone``: the agents of the launch's round that the change removed
-        (none of their ranks is kept); ``joined``: the nodes a grow admitted."""
+        (none of their ranks is kept); ``joined``: the nodes a grow admitted; ``identities``:
+        the new generation's, where the change knew them (its watchers read none)."""
         # A verdict declared meanwhile names ranks of one generation; a watcher of the last one
         # acts in it or not at all.
         woken = None if self.joining else self.key(f"wake/{self.env.rank}")
@@ -497,7 +510,7 @@ class Membership(NullMembership):
         self.joined_agents |= joined
         self.gone_agents += gone
         self._publish_current(kept_ranks)
-        self._start_generation()
+        self._start_generation(identities)
 
     # --- the job's current generation, for the fence (current.py) ---------------------------------
 

@@ -314,16 +314,24 @@ class Recovery:
         """Leaves the failed group to its threads and joins the survivors' new one: ``members``
         (ranks of ``identities``, in their new order), without the nodes that are ``gone``."""
         m = self.member
+        # The new generation's identities, where this rank knows them (each member writes its
+        # own again there, unchanged): its watchers need not read them.
+        known = ({new: identities[old] for new, old in enumerate(members)}
+                 if not isinstance(identities, ReadOnce) or identities.ready else None)
+        if known is not None and UNKNOWN in known.values():
+            known = None
         if change.kind == "grow":
             joined = {identities[r].node for r in members[change.old_world_size:]} - \
                 {identities[r].node for r in members[:change.old_world_size]}
-            m.move_on(change, list(range(change.old_world_size)), joined=joined)
+            m.move_on(change, list(range(change.old_world_size)), joined=joined,
+                      identities=known)
         else:
             # Counted by the nodes' numbers, not by the identities the closer knew: a node
             # whose ranks were lost before they said who they were in the last generation is
             # one too (those of joined nodes are no agents of the launch's round).
             removed = m.env.group_world_size - change.env.group_world_size
-            m.move_on(change, members, gone=max(0, removed - len(set(gone) & m.joined_agents)))
+            m.move_on(change, members, gone=max(0, removed - len(set(gone) & m.joined_agents)),
+                      identities=known)
         # The new generation's watchers read its members' pulses (run); the others never.
         self._pulse_keys = ({new: pulse_key(identities[old]) for new, old in enumerate(members)}
                             if change.env.rank in watchers(range(len(members))) else {})
