@@ -1228,6 +1228,23 @@ def no_group_left():
             torch.distributed.destroy_process_group()
 
 
+def test_a_survivor_that_watches_nothing_reads_no_identity_for_the_next_generation(
+        members, monkeypatch):
+    """A survivor that neither closed the membership nor watches the new generation never read
+    the identities: the change hands its next generation none, and it reads none for it (every
+    survivor reading them there would be W values each, W² in all, at the busiest moment)."""
+    from elastic_mnist.resilience import recovery
+
+    member = members(1, world_size=4)  # rank 1 of 4, then of 4 again: no watcher of either
+    monkeypatch.setattr(recovery, "connect_group", lambda *args: None)
+    monkeypatch.setattr(recovery, "install_group", lambda *args: None)
+    read: list[int] = []
+    never = recovery.ReadOnce(lambda: read.append(1) or {}, 0)
+    member.recovery.next_generation(a_change(1, 4, 1), never, [0, 1, 2, 3])
+    assert read == [] and not never.ready
+    assert member.known.generation == 1 and not member.known.ready
+
+
 def test_a_second_fault_in_a_recovery_opens_no_connection_to_the_store(store, members):
     """A creation given up on (rank 1 never came) still waits on the group's connection, until
     the group's timeout: the next round takes the spare one, prepared at start, instead of
