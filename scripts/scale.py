@@ -29,8 +29,9 @@ cores and for their processes' Python locks, was most of what this machine spent
 Phases, for each size: a steady state (``--steady-s``); a hang (from two beats before the
 deadline, as when the job stops stepping); a lost node (its pulses stop; the watchers declare
 the fault with ``declare_fault``, every other survivor is woken by it and reads it, as
-``Membership.declare`` then says nothing more; every survivor checks in, the watchers read the
-identities, the check-ins and the pulses and close the membership with ``close_membership``,
+``Membership.declare`` then says nothing more; every survivor checks in, the watchers (who
+read the identities as the generation began) read the check-ins and the pulses and close the
+membership with ``close_membership``,
 deciding from the members' positions (the record names the nodes' sizes, from which each
 survivor finds its place), and every other survivor waits for it, as recovery.py does). Not
 simulated: the new group's creation (gloo's own rendezvous on the store, W reads per survivor:
@@ -43,7 +44,8 @@ the same machine.
 
 A phase in which the simulated ranks and the store kept ``SATURATED`` of the machine's cores
 busy is not held here: its times are the wait for the cores (a job's rank has its own), its
-targets not judged, and the run stops at that size, saying so; as it does at a phase that does
+targets judged one way only (scale_report.targets), and the run stops at that size, saying
+so; as it does at a phase that does
 not finish within ``--budget-s``: the machine (its cores drive every simulated client) or the
 design (its operations grow faster than its ranks) cannot hold it.
 """
