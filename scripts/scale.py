@@ -45,9 +45,9 @@ the same machine.
 A phase in which the simulated ranks and the store kept ``SATURATED`` of the machine's cores
 busy is not held here: its times are the wait for the cores (a job's rank has its own), its
 targets judged one way only (scale_report.targets), and the run stops at that size, saying
-so; as it does at a phase that does
-not finish within ``--budget-s``: the machine (its cores drive every simulated client) or the
-design (its operations grow faster than its ranks) cannot hold it.
+so; as it does at a phase that does not finish within ``--budget-s``: the machine (its cores
+drive every simulated client) or the design (its operations grow faster than its ranks)
+cannot hold it.
 """
 
 from __future__ import annotations
