@@ -89,12 +89,13 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
+    Fault,
     Identity,
     Pulses,
     check_in,
     close_membership,
+    decide_membership,
     declare_fault,
-    node_sizes,
     pulse_key,
     read_present,
     watchers,
@@ -366,12 +367,9 @@ class Node:
                 return found
 
         def decide(members: list[int], positions: dict[int, str]) -> dict[str, Any]:
-            """As recovery.py's: the agreed step, and what each survivor needs to find its
-            place (the nodes' sizes) and to name the lost."""
-            left = set(members)
-            return {"step": max(json.loads(positions[r])["step"] for r in members),
-                    "nodes": node_sizes(members, identities),
-                    "lost": [[r, identities[r].host] for r in range(world) if r not in left]}
+            """recovery.py's decision, for a node lost (it died)."""
+            return decide_membership(members, positions, identities,
+                                     Fault("died", [], rank, "simulated", 0.0), world)
 
         try:
             close_membership(store, "g0/", set(range(world)), [],

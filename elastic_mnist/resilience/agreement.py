@@ -217,13 +217,7 @@ def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -
         # Looked at, not waited on: the connection is the declarer's, which the pulse's
         # speaker shares, and a wait would hold it (a node's record standing still for seconds
         # makes its ranks look lost).
-        pause, deadline = 0.005, time.monotonic() + WOKEN_WAIT.total_seconds()
-        while not store.check([woken]):
-            if time.monotonic() >= deadline:
-                break
-            time.sleep(pause)
-            pause = min(2 * pause, 0.5)
-        else:
+        if looked_for(store, [woken], WOKEN_WAIT.total_seconds(), pause_s=0.005, most_s=0.5):
             return agreed
         # Not woken: the first was lost between its writes. One rank wakes them in its place.
         if store.compare_set(f"{prefix}rewaker", "", fault).decode() != fault:
@@ -232,6 +226,23 @@ def declare_fault(store: dist.Store, prefix: str, world_size: int, fault: str) -
     store.multi_set(wake, ["fault"] * len(wake))
     store.set(woken, "1")
     return agreed
+
+
+def looked_for(store: dist.Store, keys: list[str], timeout_s: float, pause_s: float,
+               most_s: float, moot: Callable[[], bool] = lambda: False) -> bool:
+    """Whether ``store`` holds every one of ``keys`` within ``timeout_s``: looked at (a
+    ``check``), the pause between two looks doubling from ``pause_s`` to ``most_s``, not waited
+    on (a wait holds its connection, which others of the process may share). False too once
+    ``moot()``, asked before each look: a membership closed, its store may be gone."""
+    deadline = time.monotonic() + timeout_s
+    while not moot():
+        if store.check(keys):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(pause_s)
+        pause_s = min(2 * pause_s, most_s)
+    return False
 
 
 def check_in(store: dist.Store, prefix: str, rank: int, position: str) -> None:
@@ -435,6 +446,27 @@ def whole_nodes(members: list[int], identities: Mapping[int, Identity], fault: F
     dead = {identities[r].node for r in range(world_size)
             if r not in members and r not in named and identities[r] != UNKNOWN}
     return [r for r in members if identities[r].node not in dead]
+
+
+def decide_membership(present: list[int], checked_in: dict[int, str], identities: Mapping[int, Identity],
+             fault: Fault, world_size: int) -> dict[str, Any]:
+    """What the watcher that closes the membership decides for all, from the ``present`` ranks'
+    check-ins (``checked_in``: each one's :class:`Position` as JSON, read once, not by every
+    survivor): whole nodes (:func:`whole_nodes`), the agreed step and who holds it; and what
+    every survivor needs of the identities: the nodes' sizes, the lost ranks' hosts, the nodes
+    no rank is left of."""
+    members = whole_nodes(present, identities, fault, world_size)
+    positions = [Position(**json.loads(checked_in[r])) for r in members]
+    step = max((p.step for p in positions), default=NO_STATE)
+    kept, left = {identities[r].node for r in members}, set(members)
+    return {"members": members, "step": step,
+            "holder": next((i for i, p in enumerate(positions) if p.step == step), 0),
+            "steps_redone": int(any(p.mid_step and p.step == step for p in positions)),
+            "evaluated_step": positions[0].evaluated_step if positions else 0,
+            "nodes": node_sizes(members, identities),
+            "lost": [[r, identities[r].host] for r in range(world_size) if r not in left],
+            "gone": sorted({identities[r].node for r in range(world_size)
+                            if identities[r] != UNKNOWN} - kept)}
 
 
 def grown(env: DistEnv, me: Identity, members: list[Identity], old_world_size: int,

@@ -66,6 +66,7 @@ from elastic_mnist.resilience.agreement import (
     Identity,
     declare_fault,
     generation_key,
+    looked_for,
     pulse_key,
     read_present,
     watchers,
@@ -223,7 +224,8 @@ class Membership(NullMembership):
         """The current generation's identities (set as each generation begins)."""
         self.recovery = Recovery(self)
         """The change under way, if any: agreement, new group, bound (recovery.py)."""
-        threading.Thread(target=self._pulse, daemon=True, name="membership-pulse").start()
+        self._pulsing = threading.Thread(target=self._pulse, daemon=True, name="membership-pulse")
+        self._pulsing.start()
         self.admissions: Admissions | None = None
         """The job in the rendezvous records, and the nodes that join it (admissions.py)."""
         if records is not None:
@@ -284,19 +286,17 @@ class Membership(NullMembership):
         knew them already, it offered them (:meth:`Recovery.next_generation`)."""
         keys = [self.key(f"id/{rank}", known.generation) for rank in range(world_size)]
         store = self.connections.declare
-        pause, deadline = 0.05, time.monotonic() + self.pg_timeout.total_seconds()
 
         def moot() -> bool:
             return known.ready or known.generation != self.generation or self._closed
 
         try:
-            while not moot() and not store.check(keys):
-                if time.monotonic() >= deadline:
+            if not looked_for(store, keys, self.pg_timeout.total_seconds(), pause_s=0.05,
+                              most_s=1.0, moot=moot):
+                if not moot():
                     log.debug("the identities of generation %d were not read ahead: not every "
                               "rank said who it is within %s", known.generation, self.pg_timeout)
-                    return
-                time.sleep(pause)
-                pause = min(2 * pause, 1.0)
+                return
             if not moot():
                 known.offer(self.identities(store, known.generation, world_size))
         except RuntimeError as e:  # DistStoreError: the store went; a recovery says so
@@ -325,6 +325,7 @@ class Membership(NullMembership):
             self.admissions.close()
         with contextlib.suppress(RuntimeError):
             self.store.set(self.key(f"wake/{self.env.rank}"), "closed")
+        self._pulsing.join(timeout=2 * PULSE_S)
 
     def _pulse(self) -> None:
         """Raises this process's pulse on its node's board every PULSE_S while it lives, and

@@ -56,13 +56,12 @@ from elastic_mnist.resilience.agreement import (
     Pulses,
     check_in,
     close_membership,
+    decide_membership,
     grown,
-    node_sizes,
     placed_env,
     pulse_key,
     successor_env,
     watchers,
-    whole_nodes,
 )
 from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
@@ -165,26 +164,10 @@ class Recovery:
             expected = set(range(m.env.world_size)) - set(fault.suspects)
 
             def decide(present: list[int], checked_in: dict[int, str]) -> dict[str, Any]:
-                """The watcher that closes the membership decides for all: whole nodes, and
-                the agreed step, from the members' check-ins (read once, not by every one);
-                and what every survivor needs of the identities: the nodes' sizes, the lost
-                ranks' hosts, the nodes no rank is left of."""
                 if UNKNOWN in identities.values():  # one said who it was after the first read
                     identities.read(again=True)
-                members = whole_nodes(present, identities, fault, m.env.world_size)
-                positions = [Position(**json.loads(checked_in[r])) for r in members]
-                step = max((p.step for p in positions), default=NO_STATE)
-                kept, left = {identities[r].node for r in members}, set(members)
-                return {"members": members, "step": step,
-                        "holder": next((i for i, p in enumerate(positions) if p.step == step), 0),
-                        "steps_redone": int(any(p.mid_step and p.step == step
-                                                for p in positions)),
-                        "evaluated_step": positions[0].evaluated_step if positions else 0,
-                        "nodes": node_sizes(members, identities),
-                        "lost": [[r, identities[r].host] for r in range(m.env.world_size)
-                                 if r not in left],
-                        "gone": sorted({identities[r].node for r in range(m.env.world_size)
-                                        if identities[r] != UNKNOWN} - kept)}
+                return decide_membership(present, checked_in, identities, fault,
+                                         m.env.world_size)
 
             agreed = close_membership(m.store, m.key(""), expected, fault.suspects, pulses,
                                       limit_s=m.bound_s / 2, rank=m.env.rank, decide=decide)
