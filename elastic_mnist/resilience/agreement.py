@@ -448,8 +448,9 @@ def whole_nodes(members: list[int], identities: Mapping[int, Identity], fault: F
     return [r for r in members if identities[r].node not in dead]
 
 
-def decide_membership(present: list[int], checked_in: dict[int, str], identities: Mapping[int, Identity],
-             fault: Fault, world_size: int) -> dict[str, Any]:
+def decide_membership(present: list[int], checked_in: dict[int, str],
+                      identities: Mapping[int, Identity], fault: Fault,
+                      world_size: int) -> dict[str, Any]:
     """What the watcher that closes the membership decides for all, from the ``present`` ranks'
     check-ins (``checked_in``: each one's :class:`Position` as JSON, read once, not by every
     survivor): whole nodes (:func:`whole_nodes`), the agreed step and who holds it; and what
