@@ -443,8 +443,9 @@ def whole_nodes(members: list[int], identities: Mapping[int, Identity], fault: F
     of that node instead of waiting for the others to be stopped in a second round. Ranks that
     left or hung (named in a fault of that kind) take nobody with them."""
     named = set(fault.suspects) if fault.why != "died" else set()
+    kept = set(members)  # a set: ``in`` a list of thousands of members, W times, was W²
     dead = {identities[r].node for r in range(world_size)
-            if r not in members and r not in named and identities[r] != UNKNOWN}
+            if r not in kept and r not in named and identities[r] != UNKNOWN}
     return [r for r in members if identities[r].node not in dead]
 
 
