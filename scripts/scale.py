@@ -53,6 +53,7 @@ cannot hold it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import heapq
 import json
@@ -92,7 +93,6 @@ from elastic_mnist.resilience.agreement import (
     Fault,
     Identity,
     Pulses,
-    check_in,
     close_membership,
     decide_membership,
     declare_fault,
@@ -102,6 +102,7 @@ from elastic_mnist.resilience.agreement import (
 )
 from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.current import CurrentGeneration
+from elastic_mnist.resilience.relay import Relay, relay_of
 from elastic_mnist.resilience.roster import Liveness, Roster, look_interval
 from elastic_mnist.resilience.watchdog import (
     BEAT_S,
@@ -182,6 +183,10 @@ class Node:
         self.fence = CurrentGeneration(self.job, None, "launch")
         # The node's board: a slot per rank, in a file of the node's own, as its workers share it.
         self.boards = [NodeBoard(folder, host, len(ranks), slot) for slot in range(len(ranks))]
+        self.relays = {r: Relay(self.boards[r - ranks.start]) for r in ranks}
+        """Each rank's side of the board in an agreement (relay.py)."""
+        self.envs = {r: DistEnv(rank=r, world_size=world, local_rank=r - ranks.start,
+                                local_world_size=len(ranks)) for r in ranks}
         self.identities = {r: Identity(host, 1000 + r, 100 + serial, r - ranks.start,
                                        nonce=f"n{r}", serial=serial, board=self.boards[0].node)
                            for r in ranks}
@@ -259,7 +264,7 @@ class Node:
             dog.prober_beats = None
         return [r for r in self.ranks if r in probers(self.world)]
 
-    def probe(self, rank: int) -> bool:
+    def probe(self, rank: int, fault: Fault) -> bool:
         """The prober ``rank`` reads every heartbeat twice, two beats apart, and declares:
         the watchdog's verdict (``_claim``), then the fault to the membership (``declare_fault``:
         the first wakes every rank). False if the store did not answer it within its 2 s."""
@@ -271,19 +276,21 @@ class Node:
             self.errors["a prober's table: the store did not answer within 2 s"] += 1
             return False
         try:
-            dog._claim({"rank": None, "ranks": [], "reported_by": rank, "last_step": 0,
-                        "reason": "simulated"})
-            declare_fault(self.agreeing, "hang/", self.world, json.dumps({"rank": rank}))
+            dog._claim({"rank": fault.suspects[0], "ranks": fault.suspects, "reported_by": rank,
+                        "last_step": 0, "reason": "simulated"})
+            declare_fault(self.agreeing, "g0/", self.world, json.dumps(
+                dataclasses.asdict(dataclasses.replace(fault, reported_by=rank))))
         except (RuntimeError, StoreSilent) as e:  # the store answered too late
             self.errors[first_line(e)[:100] or "a prober's claim: the store went silent"] += 1
             return False
         return True
 
-    def follow(self, waiting: set[int]) -> bool:
+    def follow(self, waiting: set[int], fault: Fault) -> bool:
         """One beat's look of the node's ``waiting`` ranks, past their deadline, for the
-        probers' verdict (``_probers_verdict``): one that finds it declares to the membership,
-        as ``_follow`` does, and no longer waits. False where one would probe itself (the
-        probers stood still, or the store did not answer within 2 s)."""
+        probers' verdict (``_probers_verdict``), until the declaration wakes them (their
+        recovery then closes their watchdog): one that finds it first declares to the membership
+        itself, as ``_follow`` does, and no longer waits. False where one would probe itself
+        (the probers stood still, or the store did not answer within 2 s)."""
         for r in sorted(waiting):
             found = self.watchdogs[r]._probers_verdict()
             if found == "probe":
@@ -291,49 +298,75 @@ class Node:
                             "not answer within 2 s"] += 1
                 return False
             if found != "wait":
-                self._declare("hang/", r)
+                declare_fault(self.agreeing, "g0/", self.world, json.dumps(
+                    dataclasses.asdict(dataclasses.replace(fault, reported_by=r))))
                 waiting.discard(r)
         return True
 
-    def _declare(self, prefix: str, rank: int) -> None:
-        """``rank`` declares the fault, as Membership.declare does once the first declaration
-        woke it (its watcher's read of the one fault; nothing more), or as a watcher (it
-        declares and confirms): the first declarers, here, as the ranks that find a fault
-        themselves are few (a lost node's neighbours; the others are woken)."""
-        if rank in self.watching:
-            declare_fault(self.agreeing, prefix, self.world, json.dumps({"rank": rank}))
-        else:
-            self.agreeing.get(f"{prefix}fault")  # waits for the first declaration
-
-    def check_in(self) -> bool:
-        """The node's survivors declare the fault (the watchers first: one of them is the
-        first, whose declaration wakes everyone) and check in, as recovery.py's do. False if
-        a store call failed."""
+    def woken(self, fault: Fault, generation: int) -> bool:
+        """The node's ranks woken by ``fault``'s declaration in ``generation`` (its prefix
+        ``g<generation>/``), as Membership's are: the watchers declare too and confirm that
+        every rank was woken (the first to declare wakes them all); every other rank's watcher
+        has the fault, read by the node's first rank and taken from the board by the others
+        (relay.py). False if a store call failed."""
+        prefix = f"g{generation}/"
         try:
-            for r in sorted(self.ranks, key=lambda r: r not in self.watching):
-                self._declare("g0/", r)
-                check_in(self.agreeing, "g0/", r, json.dumps(
-                    {"step": 1, "mid_step": False, "evaluated_step": 0}))
+            for r in sorted(self.watching & set(self.ranks)):
+                declare_fault(self.agreeing, prefix, self.world, json.dumps(
+                    dataclasses.asdict(dataclasses.replace(fault, reported_by=r))))
+            for r in self.ranks:
+                if r not in fault.suspects:
+                    self.relays[r].fault(generation, r, r == self.ranks.start,
+                                         lambda: self.agreeing.get(f"{prefix}fault"))
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
             return False
-        self.milestones["checked in"] = time.time()
         return True
 
-    def waiting(self) -> list[int]:
-        """The node's survivors that wait for the watchers' record (the others are watchers,
-        in threads of their own: :meth:`watch`)."""
-        chosen = watchers(range(self.world))
-        return [r for r in self.ranks if r not in chosen]
+    def check_in(self, generation: int, expected: set[int]) -> bool:
+        """The node's survivors check in, as recovery.py's do: each posts where it stood on the
+        board and the node's relay checks them in at once, or, for the ranks that agree by
+        themselves (the watchers, the backups), each by itself. False if a store call failed."""
+        position = json.dumps({"step": 1, "mid_step": False, "evaluated_step": 0})
+        mine = [r for r in self.ranks if r in expected]
+        relays = {r: relay_of(self.envs[r], expected, self.relays[r].alone(generation, expected))
+                  for r in mine}
+        try:
+            for r in mine:  # side by side in a job: here, each posts before its relay looks
+                if relays[r] not in (None, r):
+                    self.relays[r].post(generation, r, position=position)
+            # The relay, then the others (each finds itself named at once).
+            for r in sorted(mine, key=lambda r: relays[r] != r):
+                self.relays[r].check_in(self.agreeing, f"g{generation}/", self.envs[r],
+                                        generation, position, expected)
+        except RuntimeError as e:
+            self.errors[first_line(e)[:100]] += 1
+            return False
+        self._milestone("checked in")
+        return True
 
-    def wait_for_record(self, limit_s: float, ranks: list[int]) -> float | None:
-        """``ranks`` wait for the membership's record and read it, as recovery.py's do, in
-        turn: when the first has it (None: a store call failed)."""
-        survivors, woken = set(range(self.world)), None
+    def waiting(self, generation: int, expected: set[int], chosen: list[int]
+                ) -> tuple[list[int], list[int]]:
+        """The node's survivors that wait for the watchers' record (the watchers close it, in
+        threads of their own: :meth:`watch`): those that read it from the store (the relay,
+        the backups), and those that take it from the board. ``chosen``: the watchers."""
+        ranks = [r for r in self.ranks if r in expected and r not in chosen]
+        reading = [r for r in ranks if relay_of(
+            self.envs[r], expected, self.relays[r].alone(generation, expected)) in (None, r)]
+        return reading, [r for r in ranks if r not in reading]
+
+    def wait_for_record(self, fault: Fault, generation: int, expected: set[int],
+                        limit_s: float, ranks: list[int]) -> float | None:
+        """``ranks`` wait for the membership's record, as recovery.py's do (a relay reads it and
+        posts it, its siblings take it from the board), in turn: when the first has it (None: a
+        store call failed)."""
+        woken = None
         try:
             for r in ranks:
-                close_membership(self.agreeing, "g0/", survivors, [], Pulses(
-                    self.agreeing, {}, self.pulse_key(r)), limit_s, rank=r)
+                self.relays[r].record(self.envs[r], generation, expected, limit_s, lambda r=r: (
+                    close_membership(self.agreeing, f"g{generation}/", expected, fault.suspects,
+                                     Pulses(self.agreeing, {}, self.pulse_key(r)), limit_s,
+                                     rank=r)))
                 woken = woken or time.time()
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
@@ -350,7 +383,7 @@ class Node:
         found = read_present(store, [f"g0/id/{r}" for r in range(self.world)])
         return store, {r: Identity(**json.loads(found[f"g0/id/{r}"])) for r in range(self.world)}
 
-    def watch(self, rank: int, limit_s: float, store: Counting,
+    def watch(self, rank: int, fault: Fault, generation: int, limit_s: float, store: Counting,
               identities: dict[int, Identity]) -> float | None:
         """A watcher's agreement (on its own connection, with the identities it read ahead:
         :meth:`watcher`): it reads the check-ins and the pulses, closes the membership and
@@ -367,14 +400,13 @@ class Node:
                 return found
 
         def decide(members: list[int], positions: dict[int, str]) -> dict[str, Any]:
-            """recovery.py's decision, for a node lost (it died)."""
-            return decide_membership(members, positions, identities,
-                                     Fault("died", [], rank, "simulated", 0.0), world)
+            """recovery.py's decision."""
+            return decide_membership(members, positions, identities, fault, world)
 
         try:
-            close_membership(store, "g0/", set(range(world)), [],
-                             Timed(store, keys, self.pulse_key(rank)), limit_s, rank=rank,
-                             decide=decide)
+            close_membership(store, f"g{generation}/", set(range(world)) - set(fault.suspects),
+                             fault.suspects, Timed(store, keys, self.pulse_key(rank)), limit_s,
+                             rank=rank, decide=decide)
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1
             return None
@@ -437,29 +469,86 @@ def steady(nodes: list[Node], until: float, stop: threading.Event) -> None:
                 node.errors[first_line(e)[:100]] += 1
 
 
-def hang(nodes: list[Node], stop: threading.Event) -> float | None:
+def hung_rank(world: int) -> int:
+    """The rank that hangs: a third of the way in, neither a prober nor a watcher (so that the
+    probers judge, and the watchers close, as in a job where any other rank hangs)."""
+    return min(world // 3 + 1, world - 2) if world > 2 else world - 1
+
+
+def hang(nodes: list[Node], fault: Fault, woken: threading.Event, stop: threading.Event
+         ) -> list[float | None] | None:
     """Every rank of ``nodes`` through a hang, from two beats before its deadline: each
-    prober in a thread of its own (:meth:`Node.probe`), and every other rank, from the deadline,
-    looking for the verdict every beat, in this one (:meth:`Node.follow`; the heartbeats, made
-    by :func:`steady`, go on). When the last rank has the verdict (None: stopped first, past
-    the phase's budget, or the store did not answer a watchdog within its 2 s)."""
+    prober in a thread of its own (:meth:`Node.probe`: it declares ``fault``), and every other
+    rank, from the deadline, looking for the verdict every beat, in this one
+    (:meth:`Node.follow`; the heartbeats, made by :func:`steady`, go on), until the declaration
+    wakes it (``woken``: its recovery closes its watchdog). When each prober here declared
+    (None for one whose store did not answer within its 2 s; None for all: stopped first, past
+    the phase's budget, or a follower would have probed itself)."""
     chosen = {node.serial: node.arm() for node in nodes}
-    probed: list[bool] = []
-    probing = [threading.Thread(target=lambda n=node, r=r: probed.append(n.probe(r)),
-                                daemon=True) for node in nodes for r in chosen[node.serial]]
+    probed: list[float | None] = []
+
+    def probe(node: Node, rank: int) -> None:
+        probed.append(time.time() if node.probe(rank, fault) else None)
+
+    probing = [threading.Thread(target=probe, args=(node, r), daemon=True)
+               for node in nodes for r in chosen[node.serial]]
     for t in probing:
         t.start()
-    waiting = {node.serial: set(node.ranks) - set(chosen[node.serial]) for node in nodes}
+    waiting = {node.serial: set(node.ranks) - set(chosen[node.serial]) - set(fault.suspects)
+               for node in nodes}
     failed = False
-    while any(waiting.values()) and not stop.is_set() and not failed:
-        failed = not all(node.follow(waiting[node.serial]) for node in nodes
+    while not woken.is_set() and not stop.is_set() and not failed:
+        failed = not all(node.follow(waiting[node.serial], fault) for node in nodes
                          if waiting[node.serial])
-        if any(waiting.values()) and not failed:
-            stop.wait(BEAT_S)
-    done = time.time()
+        if not failed:
+            woken.wait(BEAT_S)
     for t in probing:
         t.join()
-    return None if failed or any(waiting.values()) or not all(probed) else done
+    return None if failed or stop.is_set() and not woken.is_set() else probed
+
+
+def agree(nodes: list[Node], fault: Fault, generation: int, plan: dict,
+          ahead: dict[int, tuple[Counting, dict[int, Identity]]], deadline: float
+          ) -> float | None:
+    """The survivors among ``nodes`` woken by ``fault`` in ``generation`` agree on who is
+    left, as recovery.py's do: in a few threads (``AGREEING``) the nodes are woken, check in
+    and wait for the record; each watcher (its connection and identities read ahead, in
+    ``ahead``) in a thread of its own reads the check-ins and the pulses and closes the
+    membership. When the last survivor of these nodes has the record (-inf: none here; None: a
+    store call failed, or the budget ran out)."""
+    expected = set(range(nodes[0].world)) - set(fault.suspects) if nodes else set()
+    chosen = watchers(expected)
+    survivors = [n for n in nodes if not n.stopped.is_set()]
+    groups = [survivors[i::AGREEING] for i in range(min(AGREEING, len(survivors)))]
+    agreed: list[float | None] = []
+
+    def agreeing(group: list[Node]) -> None:
+        """``group``'s survivors are woken, check in, then wait for the record: the ranks that
+        read it from the store first (in a job a node's ranks wait side by side, woken
+        together, so that the first one's time stands for its node's), then the others."""
+        ok = [node.woken(fault, generation) and node.check_in(generation, expected)
+              for node in group]
+        waiting = [node.waiting(generation, expected, chosen) for node in group]
+        firsts = [node.wait_for_record(fault, generation, expected, plan["limit_s"], reading)
+                  if fine else None for node, fine, (reading, _) in zip(group, ok, waiting)]
+        rests = [node.wait_for_record(fault, generation, expected, plan["limit_s"], taking)
+                 if fine else None for node, fine, (_, taking) in zip(group, ok, waiting)]
+        agreed.extend(None if rest is None else first for first, rest in zip(firsts, rests))
+
+    def watch(node: Node, rank: int) -> None:
+        agreed.append(node.watch(rank, fault, generation, plan["limit_s"], *ahead[rank]))
+
+    threads = [threading.Thread(target=agreeing, args=(group,), daemon=True) for group in groups]
+    threads += [threading.Thread(target=watch, args=(node, r), daemon=True)
+                for node in survivors for r in node.ranks if r in chosen]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(max(0.0, deadline - time.time()))
+    expected_results = len(survivors) + sum(r in chosen for n in survivors for r in n.ranks)
+    if len(agreed) != expected_results or None in agreed:
+        return None
+    return max(agreed, default=-math.inf)
 
 
 def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
@@ -480,13 +569,42 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
             node[0], node[1], world, port, counts, lock, f"node{node[0]}", folder,
             plan["hang_timeout"]), share))
         list(pool.map(Node.start, nodes))
-    result: dict[str, Any] = {}
+    # Where this process learns that a fault was declared: one wait for all of its nodes (in
+    # a job, each rank's watcher waits on its own key from its generation's start).
+    waker = Counting(PrefixStore(LAUNCH, TCPStore("127.0.0.1", port, is_master=False,
+                                                  timeout=timedelta(seconds=300))),
+                     counts, lock, LAUNCH)
+    # The watchers' connections and identities, read as the generation began (once every
+    # simulating process has said who its ranks are).
+    barrier.wait()
+    ahead = {r: node.watcher(port, counts, lock) for node in nodes for r in node.ranks
+             if r in set(plan["watchers"])}
+    result: dict[str, Any] = {"milestones": {}}
     stop = threading.Event()
 
     def steady_until(t: float) -> list[threading.Thread]:
         thread = threading.Thread(target=steady, args=(nodes, t, stop), daemon=True)
         thread.start()
         return [thread]
+
+    def woken_by(generation: int, deadline: float) -> threading.Event:
+        """Set once the first declarer of ``generation`` has woken every rank."""
+        woken = threading.Event()
+
+        def wait() -> None:
+            with contextlib.suppress(RuntimeError):  # past the budget: the phase says so
+                waker.set_timeout(timedelta(seconds=max(0.1, deadline - time.time())))
+                waker.wait([f"g{generation}/woken"])
+                woken.set()
+
+        threading.Thread(target=wait, daemon=True).start()
+        return woken
+
+    def milestones(phase: str) -> None:
+        for node in nodes:
+            for name, when in node.milestones.items():
+                result["milestones"].setdefault(phase, {}).setdefault(name, []).append(when)
+            node.milestones = {}
 
     # Steady state.
     barrier.wait()
@@ -495,27 +613,33 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     for t in steady_until(result["steady_from"] + plan["steady_s"]):
         t.join()
     result["steady_to"] = time.time()
-    # A hang: the watchdogs probe while the heartbeats and pulses go on.
+    # A hang: the watchdogs probe while the heartbeats and pulses go on; the probers declare
+    # it, and the survivors agree on going on without the hung rank.
     barrier.wait()
     result["hang_from"] = time.time()
     result["cpu"]["hang_from"] = time.process_time()
     deadline = result["hang_from"] + plan["budget_s"]
     background = steady_until(deadline)
-    probed: list[float | None] = []
-    thread = threading.Thread(target=lambda: probed.append(hang(nodes, stop)), daemon=True)
+    fault = Fault("hung", [plan["hung"]], 0, "simulated", 0.0)
+    woken = woken_by(0, deadline)
+    probed: list[list[float | None] | None] = []
+    thread = threading.Thread(target=lambda: probed.append(hang(nodes, fault, woken, stop)),
+                              daemon=True)
     thread.start()
+    woken.wait(max(0.0, deadline - time.time()))
+    result["hang_agreed"] = agree(nodes, fault, 0, plan, ahead, deadline) if woken.is_set() \
+        else None
     thread.join(max(0.0, deadline - time.time()))
-    if not thread.is_alive():  # the steady traffic alone for a while: each fault's busiest
-        time.sleep(SETTLE_S)   # second its own, not the next one's first
-    stop.set()
+    if not thread.is_alive() and result["hang_agreed"] is not None:
+        time.sleep(SETTLE_S)  # the steady traffic alone for a while: each fault's busiest
+    stop.set()                # second its own, not the next one's first
     thread.join()
     result["probed"] = probed[0] if probed else None
     for t in background:
         t.join()
+    milestones("hang")
     # A lost node: the last one's pulses stop; every other rank agrees on who is left (where
-    # there is another node). Its watchers read the identities as the generation began.
-    ahead = {r: node.watcher(port, counts, lock) for node in nodes for r in node.ranks
-             if r in watchers(range(world)) and node.serial != plan["lost_node"]}
+    # there is another node).
     stop.clear()
     barrier.wait()
     if plan["lost_node"] is None:
@@ -528,53 +652,20 @@ def simulate(share: list[tuple[int, range]], world: int, port: int, plan: dict,
     result["lost_from"] = time.time()
     result["cpu"]["lost_from"] = time.process_time()
     deadline = result["lost_from"] + plan["budget_s"]
-    lost = plan["lost_node"]
     for node in nodes:
-        if node.serial == lost:
+        if node.serial == plan["lost_node"]:
             node.stopped.set()
     background = steady_until(deadline)
-    # The survivors in a few threads (AGREEING), each watcher in one of its own.
-    chosen = watchers(set(range(world)))
-    survivors = [n for n in nodes if n.serial != lost]
-    groups = [survivors[i::AGREEING] for i in range(min(AGREEING, len(survivors)))]
-    agreed: list[float | None] = []
-
-    def agree(group: list[Node]) -> None:
-        """``group``'s survivors check in, then wait for the record: the first waiting rank
-        of every node first (in a job a node's ranks wait side by side, woken together, so
-        that the first one's time stands for its node's), then the others (each one's wait
-        and read still made and counted)."""
-        checked = [node.check_in() for node in group]
-        waiting = [node.waiting() for node in group]
-        firsts = [node.wait_for_record(plan["limit_s"], ranks[:1]) if ok else None
-                  for node, ok, ranks in zip(group, checked, waiting, strict=True)]
-        rests = [node.wait_for_record(plan["limit_s"], ranks[1:]) if ok else None
-                 for node, ok, ranks in zip(group, checked, waiting, strict=True)]
-        agreed.extend(None if rest is None else first for first, rest in zip(firsts, rests))
-
-    def watch(node: Node, rank: int) -> None:
-        agreed.append(node.watch(rank, plan["limit_s"], *ahead[rank]))
-
-    threads = [threading.Thread(target=agree, args=(group,), daemon=True) for group in groups]
-    threads += [threading.Thread(target=watch, args=(node, r), daemon=True)
-                for node in survivors for r in node.ranks if r in chosen]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(max(0.0, deadline - time.time()))
-    # -inf: this process simulates no survivor (the lost node alone).
-    expected = len(survivors) + sum(r in chosen for node in survivors for r in node.ranks)
-    result["agreed"] = (max(agreed, default=-math.inf)
-                        if len(agreed) == expected and None not in agreed else None)
+    # The lost node's neighbours find it themselves (their collectives fail); a watcher
+    # declares it here, and wakes every rank.
+    fault = Fault("died", [], 0, "simulated", 0.0)
+    result["agreed"] = agree(nodes, fault, 1, plan, ahead, deadline)
     stop.set()
     for t in background:
         t.join()
     result["end"] = time.time()
     result["cpu"]["end"] = time.process_time()
-    result["milestones"] = {}
-    for node in nodes:
-        for name, when in node.milestones.items():
-            result["milestones"].setdefault(name, []).append(when)
+    milestones("lost node")
     result["errors"] = dict(sum((node.errors for node in nodes), Counter()))
     result["counts"] = [[kind, second, n] for (kind, second), n in counts.items()]
     shutil.rmtree(folder, ignore_errors=True)
@@ -613,8 +704,13 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         shares = [nodes[i::PROCESSES] for i in range(min(PROCESSES, len(nodes)))]
         # One node: nobody to go on.
         lost = nodes[-1][0] if len(nodes) > 1 else None
+        hung, everyone = hung_rank(ranks), set(range(ranks))
         plan = {"steady_s": steady_s, "budget_s": budget_s, "lost_node": lost,
-                "nodes": nodes, "limit_s": hang_timeout, "hang_timeout": hang_timeout}
+                "nodes": nodes, "limit_s": hang_timeout, "hang_timeout": hang_timeout,
+                "hung": hung,
+                # The watchers of the hang's agreement (every rank but the hung one) and of
+                # the lost node's (every rank: the lost ones are found by their silence).
+                "watchers": sorted(set(watchers(everyone - {hung})) | set(watchers(everyone)))}
         pipes = [mp.Pipe(duplex=False) for _ in shares]
         barrier = mp.Barrier(len(shares))
         procs = [mp.Process(target=simulate, args=(share, ranks, port, plan, barrier, w))
@@ -649,6 +745,19 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
     busiest = first_fault + max(range(len(fault)), key=fault.__getitem__) if fault else None
     probed = [r["probed"] for r in results]
     agreed = [r.get("agreed") for r in results]
+    hang_agreed = [r.get("hang_agreed") for r in results]
+    # The verdict is the first prober's declaration: it wakes every rank (a prober whose store
+    # did not answer in time leaves it to the other, as in the job).
+    declared = None if None in probed else min(
+        (t for found in probed for t in found if t is not None), default=None)
+
+    def milestones(phase: str, since: float) -> dict[str, float]:
+        """Where an agreement's time went, in seconds since ``since``: the last survivor
+        checked in, the first watcher saw the lost node's silence, closed the membership."""
+        found = [r["milestones"].get(phase, {}) for r in results]
+        return {name: pick(t for f in found for t in f.get(name, [])) - since
+                for name, pick in MILESTONES.items() if any(name in f for f in found)}
+
     ops_s = sum(steady) / max(len(steady), 1)
 
     def busy(start: str, end: str) -> float:
@@ -684,16 +793,17 @@ def measure(ranks: int, per_node: int, steady_s: float, hang_timeout: float, bud
         else "hang" if busiest < int(when("lost_from")) else "lost node",
         # The probe starts two beats before the deadline (Watchdog._probe_due): the verdict is
         # at the deadline, or when the slowest probe has read its second table, if later.
-        "hang_verdict_s": None if None in probed else max(
-            hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + max(probed) - when("hang_from")),
+        "hang_verdict_s": None if declared is None else max(
+            hang_timeout, hang_timeout - PROBE_BEATS * BEAT_S + declared - when("hang_from")),
+        # From the verdict's declaration to the last survivor's record of who is left (all
+        # but the hung rank: nobody's silence is waited for).
+        "hang_agreed_s": None if declared is None or None in hang_agreed
+        else max(hang_agreed) - declared,
         "agreed_s": None if lost is None or None in agreed else max(agreed) - when("lost_from"),
         # Where the agreement's time went: the last survivor checked in, the first watcher
         # read the identities, saw the lost node's silence, closed the membership.
-        "agreement_milestones_s": {
-            name: pick(t for r in results for t in r.get("milestones", {}).get(name, []))
-            - when("lost_from")
-            for name, pick in MILESTONES.items()
-            if any(name in r.get("milestones", {}) for r in results)},
+        "agreement_milestones_s": milestones("lost node", when("lost_from")),
+        "hang_agreement_milestones_s": {} if declared is None else milestones("hang", declared),
         "store_errors": dict(sum((Counter(r["errors"]) for r in results), Counter())),
         "simulation_cpu_share": (simulated := {name: busy(*keys)
                                                for name, keys in phases.items()}),

@@ -249,8 +249,15 @@ def check_in(store: dist.Store, prefix: str, rank: int, position: str) -> None:
     """A survivor checks in: its place in the order of arrivals, and there, its rank and where
     it stood (``{prefix}arrived/<n>``: ``"<rank> <position>"``), which the watchers read as the
     arrivals grow, each once. Two operations."""
+    check_in_all(store, prefix, {rank: position})
+
+
+def check_in_all(store: dist.Store, prefix: str, positions: Mapping[int, str]) -> None:
+    """Survivors check in together (a node's, by its relay: relay.py), as one arrival of a line
+    each (:func:`check_in`): two operations for all of them."""
     n = store.add(f"{prefix}arrivals", 1)
-    store.set(f"{prefix}arrived/{n - 1}", f"{rank} {position}")
+    store.set(f"{prefix}arrived/{n - 1}",
+              "\n".join(f"{rank} {position}" for rank, position in sorted(positions.items())))
 
 
 def close_membership(store: dist.Store, prefix: str, expected: set[int], excluded: list[int],
@@ -297,8 +304,9 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
         entries = {f"{prefix}arrived/{n}": n for n in sorted(unread)}
         found = read_present(store, list(entries))
         for value in found.values():
-            r, _, position = value.decode().partition(" ")
-            arrived[int(r)] = position
+            for line in value.decode().splitlines():  # a node's survivors, by its relay
+                r, _, position = line.partition(" ")
+                arrived[int(r)] = position
         unread -= {entries[entry] for entry in found}
         present = arrived.keys() & expected
         now = time.monotonic()

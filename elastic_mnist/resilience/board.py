@@ -16,11 +16,16 @@ name it), one slot per worker that agent started (``LOCAL_RANK`` at start: a slo
 worker's whatever local rank a change gives it later). A node nonce, drawn by the first worker
 to make the file, names the record: two containers of one host name whose agents are both pid 1
 keep records of their own.
+
+Each slot also has a *mailbox*, written by its worker alone and read by its siblings: what one
+worker learns from the store in a change (the fault, the membership's record), or hands to the
+one that speaks for the node there (where it stood), goes through it (relay.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import mmap
 import os
 import secrets
@@ -35,6 +40,9 @@ SPEAKER_SILENT = 5
 speaks for the node (about 0.5 s): the next live one does."""
 NONCE_BYTES = 16
 COUNT = struct.Struct("<Q")
+MAILBOX_BYTES = 16384
+"""A slot's mailbox: a sequence number, a length, and that many bytes of JSON."""
+MAILBOX_HEAD = struct.Struct("<QI")
 
 
 def record_key(node: str) -> str:
@@ -60,7 +68,8 @@ class NodeBoard:
             raise ValueError(f"slot {slot} of {slots}")
         self.slot, self.slots = slot, slots
         self.path = Path(folder) / name
-        size = NONCE_BYTES + COUNT.size * slots
+        self._mailboxes = NONCE_BYTES + COUNT.size * slots
+        size = self._mailboxes + MAILBOX_BYTES * slots
         for tries in range(2):  # another agent's cleanup may take it between the two
             self._create(size)
             try:
@@ -116,6 +125,34 @@ class NodeBoard:
     @staticmethod
     def record(counts: list[int]) -> str:
         return ",".join(map(str, counts))
+
+    def post(self, message: dict) -> bool:
+        """``message`` in this process's mailbox, in place of the last one; False (nothing
+        written) where it does not fit. Written between two raises of the mailbox's sequence
+        number, odd while it is written: a reader never takes half of it (:meth:`read`)."""
+        body = json.dumps(message, separators=(",", ":")).encode()
+        if MAILBOX_HEAD.size + len(body) > MAILBOX_BYTES:
+            return False
+        at = self._mailboxes + MAILBOX_BYTES * self.slot
+        seq = MAILBOX_HEAD.unpack_from(self._map, at)[0]
+        COUNT.pack_into(self._map, at, seq + 1)
+        self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + len(body)] = body
+        MAILBOX_HEAD.pack_into(self._map, at, seq + 2, len(body))
+        return True
+
+    def read(self, slot: int) -> dict | None:
+        """The message in ``slot``'s mailbox (None: none yet, or one being written)."""
+        at = self._mailboxes + MAILBOX_BYTES * slot
+        seq, length = MAILBOX_HEAD.unpack_from(self._map, at)
+        if seq % 2 or not 0 < length <= MAILBOX_BYTES - MAILBOX_HEAD.size:
+            return None
+        body = bytes(self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + length])
+        if MAILBOX_HEAD.unpack_from(self._map, at) != (seq, length):
+            return None  # rewritten as it was read
+        try:
+            return json.loads(body)
+        except ValueError:
+            return None
 
     def close(self) -> None:
         """Unmaps the board, and removes its file (siblings keep their own mapping of it)."""

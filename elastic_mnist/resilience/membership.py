@@ -76,6 +76,7 @@ from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.fence import Over
 from elastic_mnist.resilience.recovery import ReadOnce, Recovery
+from elastic_mnist.resilience.relay import Relay
 from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.survivors_group import abort_default_group
 from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
@@ -214,6 +215,8 @@ class Membership(NullMembership):
             self.identity.host, self.identity.agent, launch, env.local_world_size,
             env.local_rank)
         self.identity = dataclasses.replace(self.identity, board=self.board.node)
+        self.relay = Relay(self.board)
+        """This process's side of its node's board in a change (relay.py)."""
         self.pulse_key = pulse_key(self.identity)
         # The node's record exists before this rank says who it is: a read never waits for it.
         self.connections.declare.set(self.board.key, self.board.record(self.board.counts()))
@@ -271,7 +274,8 @@ class Membership(NullMembership):
         store = (self.connections.watch if self._watcher is None or not self._watcher.is_alive()
                  else self.store.clone())
         self._watcher = threading.Thread(target=self._watch, daemon=True,
-                                         args=(self.generation, self.env.rank, store),
+                                         args=(self.generation, self.env.rank, store,
+                                               self.env.local_rank == 0),
                                          name=f"membership-watch-g{self.generation}")
         self._watcher.start()
 
@@ -303,15 +307,17 @@ class Membership(NullMembership):
             log.debug("the identities of generation %d were not read ahead: %s",
                       known.generation, first_line(e))
 
-    def _watch(self, generation: int, rank: int, store: dist.Store) -> None:
+    def _watch(self, generation: int, rank: int, store: dist.Store, first: bool) -> None:
         """Waits to be woken (by a declaration, or by :meth:`close`); then, for a declared fault,
-        gives up on every collective of the generation."""
+        gives up on every collective of the generation. The fault is read by the node's
+        ``first`` rank, and taken from the node's board by the others (relay.py)."""
         store.set_timeout(WATCH_TIMEOUT)
         try:
             store.wait([self.key(f"wake/{rank}", generation)])
             if self._closed or generation != self.generation:  # closed, or a grow moved on
                 return
-            fault = Fault(**json.loads(store.get(self.key("fault", generation))))
+            fault = Fault(**json.loads(self.relay.fault(
+                generation, rank, first, lambda: store.get(self.key("fault", generation)))))
         except Exception as e:  # noqa: BLE001 - the coordination store went: nothing to agree on
             log.warning("the coordination store does not answer (%s); a lost node now ends "
                         "the job", first_line(e))

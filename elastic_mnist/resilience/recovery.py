@@ -54,7 +54,6 @@ from elastic_mnist.resilience.agreement import (
     Identity,
     Position,
     Pulses,
-    check_in,
     close_membership,
     decide_membership,
     grown,
@@ -150,7 +149,11 @@ class Recovery:
             fault = m.declare(why, list(suspects), detail)
             m.abort(fault)
             m.inject(self.phase)
-            check_in(m.store, m.key(""), m.env.rank, json.dumps(asdict(position)))
+            expected = set(range(m.env.world_size)) - set(fault.suspects)
+            # By the node's relay, on the node's board, where this rank does not agree by
+            # itself (relay.py): a node's survivors make one check-in and one read.
+            m.relay.check_in(m.store, m.key(""), m.env, m.generation,
+                             json.dumps(asdict(position)), expected)
             m.inject("checked in")
             # Read by the watchers (whose pulses they are: read as their generation began,
             # Membership.known), by a survivor that closes the membership itself, and where the
@@ -161,7 +164,6 @@ class Recovery:
                                                                         world_size=w))
             pulses = Pulses(m.store, lambda: {r: pulse_key(i) for r, i in identities.items()},
                             m.pulse_key)
-            expected = set(range(m.env.world_size)) - set(fault.suspects)
 
             def decide(present: list[int], checked_in: dict[int, str]) -> dict[str, Any]:
                 if UNKNOWN in identities.values():  # one said who it was after the first read
@@ -169,8 +171,9 @@ class Recovery:
                 return decide_membership(present, checked_in, identities, fault,
                                          m.env.world_size)
 
-            agreed = close_membership(m.store, m.key(""), expected, fault.suspects, pulses,
-                                      limit_s=m.bound_s / 2, rank=m.env.rank, decide=decide)
+            agreed = m.relay.record(m.env, m.generation, expected, m.bound_s / 2, lambda: (
+                close_membership(m.store, m.key(""), expected, fault.suspects, pulses,
+                                 limit_s=m.bound_s / 2, rank=m.env.rank, decide=decide)))
             members = agreed["members"]
             if m.env.rank not in members:
                 raise self._left_behind(closed_without_me=True)
