@@ -11,7 +11,8 @@ each node on connections of its own speaking for its ranks with the job's own co
 
 - every rank's heartbeat is a real :class:`Watchdog`'s ``_publish`` (once a second); through a
   hang, the two probers read every heartbeat twice (``_table``, two beats apart) and declare
-  (``_claim``), and every other rank looks for their verdict (``_probers_verdict``);
+  (``_claim``, then ``declare_fault``, which wakes every rank), and every other rank looks for
+  their verdict (``_probers_verdict``) until it is woken (its recovery closes its watchdog);
 - every rank raises its pulse on its node's real board (board.py, a file per simulated node),
   whose speaker writes the node's record every ``PULSE_S``;
 - each node's agent asks ``Roster.waiting`` every ``--monitor-interval`` (0.5 s, as jobs/
@@ -27,13 +28,17 @@ their agreement in a few (``AGREEING``): a thread per node, a thousand of them w
 cores and for their processes' Python locks, was most of what this machine spent.
 
 Phases, for each size: a steady state (``--steady-s``); a hang (from two beats before the
-deadline, as when the job stops stepping); a lost node (its pulses stop; the watchers declare
-the fault with ``declare_fault``, every other survivor is woken by it and reads it, as
-``Membership.declare`` then says nothing more; every survivor checks in, the watchers (who
-read the identities as the generation began) read the check-ins and the pulses and close the
-membership with ``close_membership``,
+deadline, as when the job stops stepping: the probers declare one rank hung); a lost node (its
+pulses stop; the watchers declare the fault with ``declare_fault``). After each fault the
+survivors agree as recovery.py's do: the watchers declare too and confirm that every rank was
+woken; every node's first rank reads the fault, and its siblings take it from the board
+(``Relay.fault``); each node's relay checks its siblings in at once (``Relay.check_in``), the
+watchers and backups each by itself; the watchers (who read the identities as the generation
+began) read the check-ins and the pulses and close the membership with ``close_membership``,
 deciding from the members' positions (the record names the nodes' sizes, from which each
-survivor finds its place), and every other survivor waits for it, as recovery.py does). Not
+survivor finds its place); each relay and backup waits for the record and reads it, and the
+relays' siblings take it from the board (``Relay.record``). After the hang nobody's silence is
+waited for (the hung rank is named); after the lost node, its pulses' standing still. Not
 simulated: the new group's creation (gloo's own rendezvous on the store, W reads per survivor:
 docs/recovery.md). It prints a table (store operations and bytes a second, per rank, the
 busiest second, the time to a hang verdict, the time to an agreed membership) and writes it as
@@ -55,6 +60,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import heapq
 import json
 import math
@@ -102,7 +108,7 @@ from elastic_mnist.resilience.agreement import (
 )
 from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.current import CurrentGeneration
-from elastic_mnist.resilience.relay import Relay, relay_of
+from elastic_mnist.resilience.relay import Relay, by_themselves, relay_of
 from elastic_mnist.resilience.roster import Liveness, Roster, look_interval
 from elastic_mnist.resilience.watchdog import (
     BEAT_S,
@@ -155,6 +161,12 @@ class SimWatchdog(Watchdog):
             return method(*args)
         except RuntimeError as e:  # DistStoreError: a timeout
             raise StoreSilent from e
+
+
+@functools.cache
+def alone_in(world: int) -> set[int]:
+    """The ranks of a generation of ``world`` that agree by themselves (relay.py)."""
+    return by_themselves(set(range(world)))
 
 
 class Node:
@@ -314,9 +326,10 @@ class Node:
             for r in sorted(self.watching & set(self.ranks)):
                 declare_fault(self.agreeing, prefix, self.world, json.dumps(
                     dataclasses.asdict(dataclasses.replace(fault, reported_by=r))))
+            reading = alone_in(self.world)  # as Membership._reads_the_fault says
             for r in self.ranks:
                 if r not in fault.suspects:
-                    self.relays[r].fault(generation, r, r == self.ranks.start,
+                    self.relays[r].fault(generation, r, r == self.ranks.start or r in reading,
                                          lambda: self.agreeing.get(f"{prefix}fault"))
         except RuntimeError as e:
             self.errors[first_line(e)[:100]] += 1

@@ -68,6 +68,15 @@ def table(rows: list[dict[str, Any]], cap: float) -> str:
                                      r["busiest_second_fault_ops"].items(),
                                      key=lambda item: -item[1]))
                                  for r in faults) + ".")
+    after = [r for r in rows if r.get("hang_agreed_s") is not None]
+    if after:
+        lines.append("After the hang, every survivor had the record of who is left (all but the "
+                     "hung rank) this long after the verdict, the last survivor checked in and "
+                     "the first watcher closed it: " + "; ".join(
+                         f"{r['ranks']} ranks {r['hang_agreed_s']:.2f} s ("
+                         + ", ".join(num(r.get("hang_agreement_milestones_s", {}).get(name),
+                                         ".2f") for name in ("checked in", "closed")) + ")"
+                         for r in after) + ".")
     agreed = [r for r in rows if r.get("agreement_milestones_s")]
     if agreed:
         lines.append("Where the agreement's time went, in seconds after the node was lost (the "

@@ -88,6 +88,10 @@ def test_a_mailbox_is_read_whole_by_the_siblings_and_never_half_written(tmp_path
     at = mine._mailboxes
     mine._map[at] += 1  # its writer stopped half way: the sequence number is odd
     assert theirs.read(0) is None
+    # The slot's next worker (restarted into the job) writes from there: read whole again.
+    assert mine.post({"g": 2, "rank": 0}) and theirs.read(0) == {"g": 2, "rank": 0}
+    mine.post([1, 2])  # no message: never taken for one
+    assert theirs.read(0) is None
 
 
 def test_who_relays_for_a_node_and_who_agrees_by_itself():
@@ -216,3 +220,30 @@ def test_a_late_word_on_a_generation_that_is_over_changes_nothing(tmp_path):
     views[9].post(3, 9, position=POSITION)
     views[9].post(2, 9, fault="late")  # a watcher thread of generation 2, late
     assert views[10].board.read(1) == {"g": 3, "rank": 9, "position": POSITION}
+
+
+def test_a_sibling_stops_waiting_for_a_live_relay_that_went_on_or_never_posts_the_record(
+        tmp_path):
+    """The relay posts for the next generation already (it had the record, and went on): its
+    sibling reads the record itself at once. A relay alive on the board that never posts it
+    (its trainer held elsewhere) is waited for as long as a rank waits for the watchers,
+    limit_s + 1, not to the bound."""
+    expected, views = set(range(WORLD)), relays(tmp_path)
+    closed = {"members": [9, 10]}
+    raising = threading.Event()
+
+    def pulse() -> None:
+        while not raising.wait(0.05):
+            views[9].board.raise_pulse()
+
+    threading.Thread(target=pulse, daemon=True).start()
+    views[9].post(4, 9, position=POSITION)
+    threading.Timer(0.3, lambda: views[9].post(5, 9, fault="the next one")).start()
+    start = time.monotonic()
+    assert views[10].record(env(10), 4, expected, 10, lambda: closed) is closed
+    assert time.monotonic() - start < 1.5
+    views[9].post(6, 9, position=POSITION)
+    start = time.monotonic()
+    assert views[10].record(env(10), 6, expected, 0.5, lambda: closed) is closed
+    raising.set()
+    assert 1.5 <= time.monotonic() - start < 3

@@ -134,25 +134,32 @@ class NodeBoard:
         if MAILBOX_HEAD.size + len(body) > MAILBOX_BYTES:
             return False
         at = self._mailboxes + MAILBOX_BYTES * self.slot
-        seq = MAILBOX_HEAD.unpack_from(self._map, at)[0]
-        COUNT.pack_into(self._map, at, seq + 1)
-        self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + len(body)] = body
-        MAILBOX_HEAD.pack_into(self._map, at, seq + 2, len(body))
+        try:
+            # Odd from the stored number whatever its parity: a writer killed half way (its
+            # slot's next worker, restarted into the job, finds its odd number) inverts nothing.
+            writing = MAILBOX_HEAD.unpack_from(self._map, at)[0] | 1
+            COUNT.pack_into(self._map, at, writing)
+            self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + len(body)] = body
+            MAILBOX_HEAD.pack_into(self._map, at, writing + 1, len(body))
+        except ValueError:  # unmapped: the board was closed (the process ends)
+            return False
         return True
 
     def read(self, slot: int) -> dict | None:
-        """The message in ``slot``'s mailbox (None: none yet, or one being written)."""
+        """The message in ``slot``'s mailbox (None: none yet, one being written, or the board
+        closed)."""
         at = self._mailboxes + MAILBOX_BYTES * slot
-        seq, length = MAILBOX_HEAD.unpack_from(self._map, at)
-        if seq % 2 or not 0 < length <= MAILBOX_BYTES - MAILBOX_HEAD.size:
-            return None
-        body = bytes(self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + length])
-        if MAILBOX_HEAD.unpack_from(self._map, at) != (seq, length):
-            return None  # rewritten as it was read
         try:
-            return json.loads(body)
-        except ValueError:
+            seq, length = MAILBOX_HEAD.unpack_from(self._map, at)
+            if seq % 2 or not 0 < length <= MAILBOX_BYTES - MAILBOX_HEAD.size:
+                return None
+            body = bytes(self._map[at + MAILBOX_HEAD.size:at + MAILBOX_HEAD.size + length])
+            if MAILBOX_HEAD.unpack_from(self._map, at) != (seq, length):
+                return None  # rewritten as it was read
+            message = json.loads(body)
+        except ValueError:  # not JSON (torn: a reader the writes reach out of order), or closed
             return None
+        return message if isinstance(message, dict) else None
 
     def close(self) -> None:
         """Unmaps the board, and removes its file (siblings keep their own mapping of it)."""

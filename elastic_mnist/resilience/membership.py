@@ -76,7 +76,7 @@ from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
 from elastic_mnist.resilience.fence import Over
 from elastic_mnist.resilience.recovery import ReadOnce, Recovery
-from elastic_mnist.resilience.relay import Relay
+from elastic_mnist.resilience.relay import Relay, by_themselves
 from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.survivors_group import abort_default_group
 from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
@@ -275,9 +275,17 @@ class Membership(NullMembership):
                  else self.store.clone())
         self._watcher = threading.Thread(target=self._watch, daemon=True,
                                          args=(self.generation, self.env.rank, store,
-                                               self.env.local_rank == 0),
+                                               self._reads_the_fault()),
                                          name=f"membership-watch-g{self.generation}")
         self._watcher.start()
+
+    def _reads_the_fault(self) -> bool:
+        """Whether this rank reads a fault of its generation from the store as it is woken,
+        rather than from its node's board (relay.py): its node's first rank does, for its
+        siblings; and so do the watchers and backups, which agree by themselves (a node of
+        them, in a small job, waits on no sibling)."""
+        return (self.env.local_rank == 0
+                or self.env.rank in by_themselves(set(range(self.env.world_size))))
 
     def _read_identities(self, known: ReadOnce, world_size: int) -> None:
         """A watcher of ``known``'s generation reads its identities once every rank has said

@@ -3,13 +3,15 @@ their node's board, and take from the board what it learns.
 
 A fault's survivors each made five operations on the coordination store: the fault's read as
 they were woken, a check-in of two, a wait for the membership's record and its read. At 1,000
-nodes of 8 that was 40,000 operations within the second the fault became known, on top of the
-steady 20,000 a second: 40% of what the one store answers (``make scale``). Through the node's
-board (board.py: a mailbox per worker, written by it alone) a node makes them once:
+nodes of 8 that is 40,000 operations within a second or two of a hang's verdict (its survivors
+wait for nobody's silence), beside the 20,600 a second of the steady state (``make scale``).
+Through the node's board (board.py: a mailbox per worker, written by it alone) a node makes
+them once:
 
 - **the fault**: the node's first rank reads it as it is woken, and posts it; its siblings, woken
   at the same moment, take it from the board (each reads it itself where nothing is posted
-  within ``FAULT_WAIT_S``: the first rank is the hung one, say);
+  within ``FAULT_WAIT_S``: the first rank is the hung one, say; the watchers and backups read
+  it themselves);
 - **the check-in**: each survivor posts where it stood; the node's *relay* (its first rank that
   the fault does not name and that does not agree by itself) gathers its siblings' positions
   (``GATHER_S`` at most), checks them in at once (one arrival, a line each), and posts whom it
@@ -108,7 +110,9 @@ class Relay:
             self._message.update(fields)
             if not self.board.post(self._message):
                 self._message.update(dict.fromkeys(fields))
-                self.board.post(self._message)
+                if not self.board.post(self._message):  # the rest does not fit either
+                    self._message = {"g": generation, "rank": rank, **dict.fromkeys(fields)}
+                    self.board.post(self._message)
 
     def _messages(self, generation: int) -> dict[int, tuple[int, dict[str, Any]]]:
         """rank → (its slot, its message): the siblings' mailboxes of ``generation``."""
@@ -122,10 +126,10 @@ class Relay:
     def _look(self, until: Callable[[dict[int, tuple[int, dict[str, Any]]]], Any],
               generation: int, timeout_s: float, speaker: int | None = None) -> Any:
         """``until(messages)`` once it is not None, looked at with pauses that double; None
-        after ``timeout_s``, or once ``speaker`` fell silent on the board: its pulse stood
-        still for RELAY_SILENT_S, or it posted nothing in this generation for as long (it never
-        came, or it is on no board of this node's: one node's ranks under two agents of one
-        pid, say)."""
+        after ``timeout_s``, or once ``speaker`` is no help: its pulse on the board stood still
+        for RELAY_SILENT_S; it posted nothing in this generation for as long (it never came, or
+        it is on no board of this node's: one node's ranks under two agents of one pid, say);
+        it posts for a later generation already (it went on: what it read is in the store)."""
         deadline = time.monotonic() + timeout_s
         pause, slot, count, since = FIRST_LOOK_S, None, None, time.monotonic()
         while True:
@@ -136,6 +140,10 @@ class Relay:
                 return found
             if speaker is not None and speaker in messages:
                 slot = messages[speaker][0]
+            elif slot is not None:
+                now_there = self.board.read(slot)
+                if now_there is not None and now_there.get("g") != generation:
+                    return None
             if slot is not None:
                 pulse = self.board.counts()[slot]
                 if pulse != count:
@@ -203,9 +211,11 @@ class Relay:
             self.post(generation, env.rank,
                       record={**record, "members": encode_ranks(record["members"])})
             return record
-        # As long as a rank that waits for the watchers would (close_membership), then its own.
+        # As long as a rank that waits for the watchers would before the backups close it
+        # (close_membership): by then it is closed, with this rank or without it (its relay
+        # never came to it, say), and in the store.
         posted = self._look(lambda messages: _field(messages, relay, "record"), generation,
-                            2 * (limit_s + 1), speaker=relay)
+                            limit_s + 1, speaker=relay)
         if posted is not None and posted[0] is not None:
             return {**posted[0], "members": decode_ranks(posted[0]["members"])}
         return close()  # the relay could not, or fell silent
