@@ -1616,3 +1616,40 @@ def test_a_recovery_step_in_a_generation_broken_already_runs_nothing(members):
     time.sleep(0.2)
     assert ran == [] and mine.recovery.failure.startswith(
         "adopting the agreed state: the group changed")
+
+
+def test_a_grow_decision_names_the_joiners_and_each_rank_places_itself_from_the_nodes_sizes():
+    """Rank 0's decision to admit two joiners to a job of 2 nodes of 2 names the joiners and the
+    nodes' sizes, not every member (every rank reads it: W² bytes in all): an old rank keeps
+    its rank, a joiner finds its own, each its node and local rank, and no member's identity is
+    read unless a watcher of the new generation asks for them (once)."""
+    from elastic_mnist.resilience import agreement
+    from elastic_mnist.resilience.recovery import Recovery
+
+    joiners = [agreement.Identity("c", 10 + i, 99, i, nonce=f"j{i}", serial=3) for i in range(2)]
+    decision = {"generation": 4, "old_world_size": 4, "joins": [{"join": 0, "ranks": [4, 5]}],
+                "joiners": [dataclasses.asdict(j) for j in joiners], "nodes": [[2, 3]]}
+    reads: list[tuple[int, int]] = []
+    old = {r: agreement.Identity("ab"[r // 2], r, 50 + r // 2, r % 2) for r in range(4)}
+
+    def member(env: DistEnv, identity, joining: bool):
+        return types.SimpleNamespace(
+            env=env, identity=identity, joining=joining,
+            identities=lambda generation, world_size: reads.append((generation, world_size))
+            or dict(old))
+
+    mine = Recovery(member(DistEnv(rank=3, world_size=4, local_rank=1, local_world_size=2,
+                                   group_rank=1, group_world_size=2), old[3], False))
+    change, identities = mine._grown(decision, 5, 7, 7, 0.0, 0.0)
+    env = change.env
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.group_rank,
+            env.group_world_size) == (3, 6, 1, 2, 1, 3)
+    assert change.joined == [{"rank": 4, "host": "c", "agent": 3},
+                             {"rank": 5, "host": "c", "agent": 3}]
+    theirs = Recovery(member(DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2),
+                             joiners[1], True))
+    env = theirs._grown(decision, 5, 7, 7, 0.0, 0.0)[0].env
+    assert (env.rank, env.world_size, env.local_rank, env.group_rank) == (5, 6, 1, 2)
+    assert reads == []
+    assert [identities[r] for r in range(6)] == [*old.values(), *joiners]
+    assert reads == [(4, 4)]  # the old ranks', as they wrote them where rank 0 decided

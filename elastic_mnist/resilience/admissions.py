@@ -5,8 +5,8 @@ joining worker says it is ready and waits for its admission (notes/rdzv-spec.md)
 Rank 0's side is a thread that every member runs (rank 0 moves with the changes) and that works
 on rank 0 only: every ``POLL_S`` it beats ``job/beat``, publishes ``job`` when the generation
 changed, and looks for joins whose workers all wrote ``ready``. For those it writes the decision,
-``g<G>/grow`` in the launch's store (the new members, the old ranks in their order, then the
-joiners, node by node), *before* the training thread raises the admission flag in a step's one
+``g<G>/grow`` in the launch's store (the new members: the old ranks in their order, which keep
+their ranks, then the joiners, node by node, named; and the nodes' sizes), *before* the training thread raises the admission flag in a step's one
 collective: the flag costs the loop no store call, and every rank reads one decision once the
 step is done. The job's ranks then move to generation G+1 with the joiners (membership.py,
 recovery.py), rank 0 having written each join's ``admitted`` record, which its workers wait for.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import first_line
-from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity
+from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity, node_sizes
 from elastic_mnist.resilience.roster import JobRecord, Roster
 
 if TYPE_CHECKING:
@@ -142,13 +142,23 @@ class Admissions:
         if not ready:
             return
         m, old = self.member, len(identities)
-        members = [asdict(identities[r]) for r in range(old)]
+        joiners: list[dict[str, Any]] = []
         joins = []
         for join, serial, workers in ready:
+            start = old + len(joiners)
             joins.append({"join": join, "agent": serial,
-                          "ranks": list(range(len(members), len(members) + len(workers)))})
-            members.extend(workers)
-        decision = json.dumps({"generation": generation, "members": members, "joins": joins})
+                          "ranks": list(range(start, start + len(workers)))})
+            joiners.extend(workers)
+        # Every rank reads the decision: it names the joiners, and the nodes' sizes from which
+        # each places itself (the old ranks keep theirs), not every member (W² bytes in all,
+        # 12.8 GB at 8,000 ranks).
+        everyone = {**identities, **{old + i: Identity(**w) for i, w in enumerate(joiners)}}
+        sizes = node_sizes(list(range(len(everyone))), everyone)
+        record: dict[str, Any] = {"generation": generation, "old_world_size": old,
+                                  "joiners": joiners, "joins": joins, "nodes": sizes}
+        if sizes is None:  # one node's ranks not numbered together: never, as torchrun numbers
+            record["members"] = [asdict(identities[r]) for r in range(old)] + joiners
+        decision = json.dumps(record)
         agreed = m.connections.declare.compare_set(m.key("grow", generation), "", decision)
         if generation == m.generation:
             self._decided = (generation, json.loads(agreed))

@@ -215,45 +215,74 @@ class Recovery:
     def grow(self, decision: dict[str, Any], position: Position,
              admit: Callable[[dict[str, Any], Change], None]) -> Change:
         """At a step boundary, once the step that raised rank 0's flag is done: the job's ranks
-        admit the joining nodes of rank 0's ``decision`` (its ``members``: the old ranks in their
-        order, then the joiners, node by node). ``admit`` (rank 0's) tells the joiners; the new
-        group is then built as after a fault, within the same bound, a member lost meanwhile
-        declared in the new generation (PeerFailure: the survivors recover from it)."""
+        admit the joining nodes of rank 0's ``decision`` (the old ranks keep theirs; then the
+        joiners, node by node). ``admit`` (rank 0's) tells the joiners; the new group is then
+        built as after a fault, within the same bound, a member lost meanwhile declared in the
+        new generation (PeerFailure: the survivors recover from it)."""
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
         self._arm_deadline()
         self.change, self._origin = None, []
         self.phase = "admitting the joining nodes"
-        members = [Identity(**d) for d in decision["members"]]
-        change = grown(m.env, m.identity, members, m.env.world_size, m.generation + 1,
-                       position.step, position.evaluated_step, detected, detected_at)
+        change, identities = self._grown(decision, m.generation + 1, position.step,
+                                         position.evaluated_step, detected, detected_at)
         try:
             admit(decision, change)
         except RuntimeError as e:  # the store went: nobody to agree with
             raise CannotRecover(f"the coordination store does not answer: {first_line(e)}") \
                 from None
-        self._begin(change, members)
+        self._begin(change, identities, decision)
         return change
 
     def enter(self, decision: dict[str, Any], admission: dict[str, Any]) -> Change:
         """A joining worker, admitted by ``admission`` into the generation of rank 0's
         ``decision``: it takes its place there, and builds the new group with the job's ranks
         (see :meth:`grow`)."""
-        m = self.member
         detected, detected_at = time.monotonic(), time.time()
         self._arm_deadline()
         self.phase = "entering the job"
-        members = [Identity(**d) for d in decision["members"]]
-        old_world_size = len(members) - sum(len(join["ranks"]) for join in decision["joins"])
-        change = grown(m.env, m.identity, members, old_world_size, admission["generation"],
-                       admission["step"], admission["evaluated_step"], detected, detected_at)
-        self._begin(change, members)
+        change, identities = self._grown(decision, admission["generation"], admission["step"],
+                                         admission["evaluated_step"], detected, detected_at)
+        self._begin(change, identities, decision)
         return change
 
-    def _begin(self, change: Change, members: list[Identity]) -> None:
-        """The generation of a grow, begun with ``members`` in their new order."""
+    def _grown(self, decision: dict[str, Any], generation: int, step: int, evaluated_step: int,
+               detected: float, detected_at: float) -> tuple[Change, Mapping[int, Identity]]:
+        """The change of a grow as this process takes it (a rank of the job, or a joiner), and
+        the new members' identities: the joiners' from the decision, the old ranks' read only
+        where needed (by the new generation's watchers, for their pulses)."""
+        m = self.member
+        old = decision["old_world_size"]
+        joiners = [Identity(**d) for d in decision["joiners"]]
+        if decision.get("members") is not None:  # every member named (see Admissions)
+            members = [Identity(**d) for d in decision["members"]]
+            return grown(m.env, m.identity, members, old, generation, step, evaluated_step,
+                         detected, detected_at), dict(enumerate(members))
+        rank = (old + [joiner.key for joiner in joiners].index(m.identity.key) if m.joining
+                else m.env.rank)
+        env = placed_env(dataclasses.replace(m.env, rank=rank), list(range(old + len(joiners))),
+                         decision["nodes"])
+        change = Change(env=env, generation=generation, old_world_size=old, lost=[],
+                        why="joined", step=step, holder=0, steps_redone=0,
+                        evaluated_step=evaluated_step, detected=detected,
+                        detected_at=detected_at, kind="grow",
+                        joined=[{"rank": old + i, "host": joiner.host, "agent": joiner.serial}
+                                for i, joiner in enumerate(joiners)])
+        decided_in = decision["generation"]
+        identities = ReadOnce(lambda: {
+            **m.identities(generation=decided_in, world_size=old),
+            **{old + i: joiner for i, joiner in enumerate(joiners)}})
+        return change, identities
+
+    def _begin(self, change: Change, identities: Mapping[int, Identity],
+               decision: dict[str, Any]) -> None:
+        """The generation of a grow, begun with its members (``identities``, in their new
+        order), the joiners of ``decision`` among them."""
+        joined = {Identity(**d).node for d in decision["joiners"]}
         try:
-            self.next_generation(change, dict(enumerate(members)), list(range(len(members))))
+            self.next_generation(change, identities,
+                                 list(range(change.old_world_size + len(decision["joiners"]))),
+                                 joined=joined)
         except PeerFailure:
             raise
         except RuntimeError as e:  # the store went as the generation began: said in one line
@@ -296,9 +325,11 @@ class Recovery:
         return change
 
     def next_generation(self, change: Change, identities: Mapping[int, Identity],
-                        members: list[int], gone: list[tuple[str, int]] = ()) -> None:
+                        members: list[int], gone: list[tuple[str, int]] = (),
+                        joined: set[tuple[str, int]] = frozenset()) -> None:
         """Leaves the failed group to its threads and joins the survivors' new one: ``members``
-        (ranks of ``identities``, in their new order), without the nodes that are ``gone``."""
+        (ranks of ``identities``, in their new order), without the nodes that are ``gone``,
+        with those that ``joined`` (a grow's)."""
         m = self.member
         # The new generation's identities, where this rank knows them (each member writes its
         # own again there, unchanged): its watchers need not read them.
@@ -307,8 +338,6 @@ class Recovery:
         if known is not None and UNKNOWN in known.values():
             known = None
         if change.kind == "grow":
-            joined = {identities[r].node for r in members[change.old_world_size:]} - \
-                {identities[r].node for r in members[:change.old_world_size]}
             m.move_on(change, list(range(change.old_world_size)), joined=joined,
                       identities=known)
         else:
