@@ -331,8 +331,13 @@ class Recovery:
         (ranks of ``identities``, in their new order), without the nodes that are ``gone``,
         with those that ``joined`` (a grow's)."""
         m = self.member
-        # The new generation's identities, where this rank knows them (each member writes its
-        # own again there, unchanged): its watchers need not read them.
+        # The new generation's watchers read its members' pulses (run): they need every
+        # member's identity now (read once, where a grow named only its joiners), and hand
+        # them to the generation, whose watchers they are (each member writes its own again
+        # there, unchanged; a member that has not yet when a fault comes is known all the same).
+        watching = change.env.rank in watchers(range(len(members)))
+        if watching and isinstance(identities, ReadOnce):
+            identities.read()
         known = ({new: identities[old] for new, old in enumerate(members)}
                  if not isinstance(identities, ReadOnce) or identities.ready else None)
         if known is not None and UNKNOWN in known.values():
@@ -349,7 +354,7 @@ class Recovery:
                       identities=known)
         # The new generation's watchers read its members' pulses (run); the others never.
         self._pulse_keys = ({new: pulse_key(identities[old]) for new, old in enumerate(members)}
-                            if change.env.rank in watchers(range(len(members))) else {})
+                            if watching else {})
         # The group is built in a thread, and made the default one here, in the training
         # thread, only once it is complete: a creation given up on (a member frozen) may still
         # complete later, and then changes nothing. Its connection, which it may hold until
