@@ -6,9 +6,9 @@ Rank 0's side is a thread that every member runs (rank 0 moves with the changes)
 on rank 0 only: every ``POLL_S`` it beats ``job/beat``, publishes ``job`` when the generation
 changed, and looks for joins whose workers all wrote ``ready``. For those it writes the decision,
 ``g<G>/grow`` in the launch's store (the new members: the old ranks in their order, which keep
-their ranks, then the joiners, node by node, named; and the nodes' sizes), *before* the training thread raises the admission flag in a step's one
-collective: the flag costs the loop no store call, and every rank reads one decision once the
-step is done. The job's ranks then move to generation G+1 with the joiners (membership.py,
+their ranks, then the joiners, node by node, named; and the nodes' sizes), *before* the
+training thread raises the admission flag in a step's one collective: the flag costs the loop
+no store call, and every rank reads one decision once the step is done. The job's ranks then move to generation G+1 with the joiners (membership.py,
 recovery.py), rank 0 having written each join's ``admitted`` record, which its workers wait for.
 
 The keys that the workers alone read live in the launch's prefix (the membership's store), under
