@@ -316,15 +316,23 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
             members = sorted(present)
             record = {"members": members,
                       **(decide(members, {r: arrived[r] for r in members}) if decide else {})}
-            record["members"] = encode_ranks(record["members"])
-            store.compare_set(key, "", json.dumps(record))
+            store.compare_set(key, "", json.dumps(encoded_record(record)))
             break
         time.sleep(LOOK_S)
     return _members_record(store.get(key))
 
 
 def _members_record(value: bytes) -> dict[str, Any]:
-    record = json.loads(value)
+    return decoded_record(json.loads(value))
+
+
+def encoded_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A membership's record as it is written (its members as runs: :func:`encode_ranks`)."""
+    return {**record, "members": encode_ranks(record["members"])}
+
+
+def decoded_record(record: dict[str, Any]) -> dict[str, Any]:
+    """A membership's record as written (:func:`encoded_record`), its members a list again."""
     return {**record, "members": decode_ranks(record["members"])}
 
 
@@ -479,18 +487,14 @@ def decide_membership(present: list[int], checked_in: dict[int, str],
                             if identities[r] != UNKNOWN} - kept)}
 
 
-def grown(env: DistEnv, me: Identity, members: list[Identity], old_world_size: int,
-          generation: int, step: int, evaluated_step: int, detected: float,
-          detected_at: float) -> Change:
-    """The change of a grow, as the process ``me`` (of ``env``) takes it: ``members`` in their
-    new order (the old ranks first, in theirs; then the joiners, node by node), the first
-    ``old_world_size`` of them the job's ranks, whose rank 0 holds the state the joiners take."""
-    rank = [identity.key for identity in members].index(me.key)
-    new_env = successor_env(dataclasses.replace(env, rank=rank), list(range(len(members))),
-                            dict(enumerate(members)))
-    joined = [{"rank": r, "host": members[r].host, "agent": members[r].serial}
-              for r in range(old_world_size, len(members))]
-    return Change(env=new_env, generation=generation, old_world_size=old_world_size, lost=[],
+def grown(env: DistEnv, joiners: list[Identity], old_world_size: int, generation: int,
+          step: int, evaluated_step: int, detected: float, detected_at: float) -> Change:
+    """The change of a grow, as a process placed at ``env`` in the new world takes it: the first
+    ``old_world_size`` ranks the job's (in their order; its rank 0 holds the state the joiners
+    take), then the ``joiners``, node by node."""
+    joined = [{"rank": old_world_size + i, "host": joiner.host, "agent": joiner.serial}
+              for i, joiner in enumerate(joiners)]
+    return Change(env=env, generation=generation, old_world_size=old_world_size, lost=[],
                   why="joined", step=step, holder=0, steps_redone=0,
                   evaluated_step=evaluated_step, detected=detected, detected_at=detected_at,
                   kind="grow", joined=joined)

@@ -254,25 +254,22 @@ class Recovery:
         m = self.member
         old = decision["old_world_size"]
         joiners = [Identity(**d) for d in decision["joiners"]]
+        world = list(range(old + len(joiners)))
         if decision.get("members") is not None:  # every member named (see Admissions)
-            members = [Identity(**d) for d in decision["members"]]
-            return grown(m.env, m.identity, members, old, generation, step, evaluated_step,
-                         detected, detected_at), dict(enumerate(members))
+            members = dict(enumerate(Identity(**d) for d in decision["members"]))
+            rank = [identity.key for identity in members.values()].index(m.identity.key)
+            env = successor_env(dataclasses.replace(m.env, rank=rank), world, members)
+            return grown(env, joiners, old, generation, step, evaluated_step, detected,
+                         detected_at), members
         rank = (old + [joiner.key for joiner in joiners].index(m.identity.key) if m.joining
                 else m.env.rank)
-        env = placed_env(dataclasses.replace(m.env, rank=rank), list(range(old + len(joiners))),
-                         decision["nodes"])
-        change = Change(env=env, generation=generation, old_world_size=old, lost=[],
-                        why="joined", step=step, holder=0, steps_redone=0,
-                        evaluated_step=evaluated_step, detected=detected,
-                        detected_at=detected_at, kind="grow",
-                        joined=[{"rank": old + i, "host": joiner.host, "agent": joiner.serial}
-                                for i, joiner in enumerate(joiners)])
+        env = placed_env(dataclasses.replace(m.env, rank=rank), world, decision["nodes"])
         decided_in = decision["generation"]
         identities = ReadOnce(lambda: {
             **m.identities(generation=decided_in, world_size=old),
             **{old + i: joiner for i, joiner in enumerate(joiners)}})
-        return change, identities
+        return grown(env, joiners, old, generation, step, evaluated_step, detected,
+                     detected_at), identities
 
     def _begin(self, change: Change, identities: Mapping[int, Identity],
                decision: dict[str, Any]) -> None:
@@ -280,8 +277,7 @@ class Recovery:
         order), the joiners of ``decision`` among them."""
         joined = {Identity(**d).node for d in decision["joiners"]}
         try:
-            self.next_generation(change, identities,
-                                 list(range(change.old_world_size + len(decision["joiners"]))),
+            self.next_generation(change, identities, list(range(change.env.world_size)),
                                  joined=joined)
         except PeerFailure:
             raise

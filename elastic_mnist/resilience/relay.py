@@ -40,7 +40,9 @@ from elastic_mnist.resilience.agreement import (
     backup_watchers,
     check_in_all,
     decode_ranks,
+    decoded_record,
     encode_ranks,
+    encoded_record,
     watchers,
 )
 from elastic_mnist.resilience.board import NodeBoard
@@ -178,14 +180,14 @@ class Relay:
         if env.rank == relay:
             mine = [r for r in node_ranks(env) if r in expected and r not in alone]
 
-            def gathered(messages: dict[int, tuple[int, dict[str, Any]]]) -> dict | None:
-                positions = {r: messages[r][1]["position"] for r in mine
-                             if r in messages and messages[r][1].get("position")}
-                return positions if len(positions) == len(mine) else None
+            def posted(messages: dict[int, tuple[int, dict[str, Any]]]) -> dict[int, str]:
+                return {r: messages[r][1]["position"] for r in mine
+                        if r in messages and messages[r][1].get("position")}
 
-            positions = self._look(gathered, generation, GATHER_S) or {
-                r: m["position"] for r, (_, m) in self._messages(generation).items()
-                if r in mine and m.get("position")}
+            # Every sibling's, or those posted by GATHER_S.
+            positions = self._look(lambda messages: p if len(p := posted(messages)) == len(mine)
+                                   else None, generation, GATHER_S) \
+                or posted(self._messages(generation))
             positions[env.rank] = position
             check_in_all(store, prefix, positions)
             self.post(generation, env.rank, checked_in=encode_ranks(list(positions)))
@@ -208,8 +210,7 @@ class Relay:
             except Exception:
                 self.post(generation, env.rank, record=None)  # its siblings read it themselves
                 raise
-            self.post(generation, env.rank,
-                      record={**record, "members": encode_ranks(record["members"])})
+            self.post(generation, env.rank, record=encoded_record(record))
             return record
         # As long as a rank that waits for the watchers would before the backups close it
         # (close_membership): by then it is closed, with this rank or without it (its relay
@@ -217,7 +218,7 @@ class Relay:
         posted = self._look(lambda messages: _field(messages, relay, "record"), generation,
                             limit_s + 1, speaker=relay)
         if posted is not None and posted[0] is not None:
-            return {**posted[0], "members": decode_ranks(posted[0]["members"])}
+            return decoded_record(posted[0])
         return close()  # the relay could not, or fell silent
 
 
