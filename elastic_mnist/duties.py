@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from elastic_mnist.audit import AuditLog
 from elastic_mnist.checkpoint import Manifest, write_run_file
 from elastic_mnist.checkpointer import Checkpointer, NullCheckpointer
 from elastic_mnist.config import TrainConfig
@@ -20,7 +21,6 @@ from elastic_mnist.events import EventLog, NullEventLog
 from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.metrics import NullMetrics, TensorBoardMetrics
 from elastic_mnist.progress import progress_display
-from elastic_mnist.report import AuditLog
 from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.fence import NullFence

@@ -1,5 +1,6 @@
 """What the loop tells people: the logging window, training and test scalars, the records of
-skipped steps, the evaluation, the prediction grid, and every rank's audit of the samples it used.
+skipped steps, the evaluation and the prediction grid (every rank's audit of the samples it used
+is audit.py's).
 
 Everything here writes through the generation's writers (writers.py), which :meth:`Report.enter`
 hands over whole: ranks that must not write hold writers that do nothing, so no line here asks
@@ -8,11 +9,9 @@ which rank it runs on to decide whether to write.
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import time
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -25,47 +24,13 @@ from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.env import DistEnv
 from elastic_mnist.render import prediction_grid
-from elastic_mnist.resilience.fence import NO_FENCE, NullFence
 from elastic_mnist.state import Progress
 
 if TYPE_CHECKING:
-    from elastic_mnist.trainer import StepResult
+    from elastic_mnist.step_result import StepResult
     from elastic_mnist.writers import Writers
 
 log = logging.getLogger("elastic_mnist.trainer")  # the loop's lines, under the loop's name
-
-
-class AuditLog:
-    """``--audit-samples``: one JSON line per step with the sample indices this rank used,
-    written as the rank reaches the step's last collective (scripts/check_audit.py takes, for each
-    step, the newest generation's records, so a step cut short and redone counts once). Each
-    record passes ``fence`` (a verdict of the last second will do)."""
-
-    def __init__(self, path: Path | None, fence: NullFence = NO_FENCE):
-        self.fence = fence
-        self.file = None
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self.file = open(path, "a", buffering=1)  # noqa: SIM115 - closed by close()
-
-    def indices(self, micro_batches: list[torch.Tensor]) -> list[int]:
-        """The sample indices of this rank's micro-batches, read back from the device at the
-        step's start, before it queues a collective (a read behind one waits for the peers)."""
-        if self.file is None or not micro_batches:  # they leave the device only for the audit
-            return []
-        return torch.cat(micro_batches).tolist()
-
-    def record(self, step: int, epoch: int, rank: int, world_size: int,
-               indices: list[int]) -> None:
-        if self.file is not None:
-            self.fence.check(recent=True)
-            self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
-                                        "world_size": world_size, "time": time.time(),
-                                        "indices": indices}) + "\n")
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
 
 
 @torch.no_grad()

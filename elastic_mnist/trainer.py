@@ -19,7 +19,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -47,31 +46,10 @@ from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.resilience.membership import NullMembership
 from elastic_mnist.resilience.preemption import StopRequest
 from elastic_mnist.state import Progress
+from elastic_mnist.step_result import StepResult
 from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepResult:
-    loss: float
-    accuracy: float
-    samples: int
-    stop_requested: bool
-    """Every rank asked to stop (or one did, where the others cannot go on without it)."""
-    seconds: float = 0.0
-    data_wait_s: float = 0.0
-    nonfinite_ranks: list[int] = field(default_factory=list)
-    """Ranks whose loss or own gradients were NaN or infinite: the step was skipped."""
-    checkpoint_failed: bool = False
-    """Rank 0 could not save a checkpoint (a write failed, or it refused non-finite weights):
-    every rank stops."""
-    leavers: list[int] = field(default_factory=list)
-    """Ranks that asked to stop while the others go on without them, from the next step."""
-    admit: bool = False
-    """Rank 0 decided to admit joining nodes: every rank moves to their generation after this
-    step."""
-
 
 
 class StepFlags:

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from elastic_mnist.audit import AuditLog
 from elastic_mnist.checkpointer import NullCheckpointer
 from elastic_mnist.errors import CheckpointError
 from elastic_mnist.events import NullEventLog
 from elastic_mnist.metrics import NullMetrics
 from elastic_mnist.progress import LogLines
-from elastic_mnist.report import AuditLog
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.watchdog import NullWatchdog
 
