@@ -18,7 +18,7 @@ import torch.distributed as dist
 from elastic_mnist import distributed
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import PeerFailure
-from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.watchdog import NullWatchdog
 
 

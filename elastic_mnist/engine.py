@@ -27,7 +27,7 @@ from elastic_mnist.data.order import share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.model import build_model
-from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.resilience.faces import NullMembership
 
 log = logging.getLogger(__name__)
 

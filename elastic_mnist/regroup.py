@@ -28,7 +28,7 @@ from elastic_mnist.errors import CannotRecover, PeerFailure, first_line
 from elastic_mnist.events import NullEventLog, utc_time
 from elastic_mnist.model import state_digest
 from elastic_mnist.resilience.agreement import NO_STATE, Change, Position
-from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.state import Progress
 
 if TYPE_CHECKING:

@@ -1090,7 +1090,7 @@ def test_the_fallback_record_goes_where_this_rank_can_write_it(tmp_path):
     the give-up timer's thread too): no trainer is read."""
     from elastic_mnist.config import TrainConfig
     from elastic_mnist.duties import Duties, record_fallback
-    from elastic_mnist.resilience.membership import NullMembership
+    from elastic_mnist.resilience.faces import NullMembership
     from elastic_mnist.state import Progress
     from elastic_mnist.writers import Writers
 
@@ -1234,12 +1234,13 @@ def test_a_survivor_that_watches_nothing_reads_no_identity_for_the_next_generati
     the identities: the change hands its next generation none, and it reads none for it (every
     survivor reading them there would be W values each, W² in all, at the busiest moment)."""
     from elastic_mnist.resilience import recovery
+    from elastic_mnist.resilience.read_once import ReadOnce
 
     member = members(1, world_size=4)  # rank 1 of 4, then of 4 again: no watcher of either
     monkeypatch.setattr(recovery, "connect_group", lambda *args: None)
     monkeypatch.setattr(recovery, "install_group", lambda *args: None)
     read: list[int] = []
-    never = recovery.ReadOnce(lambda: read.append(1) or {}, 0)
+    never = ReadOnce(lambda: read.append(1) or {}, 0)
     member.recovery.next_generation(a_change(1, 4, 1), never, [0, 1, 2, 3])
     assert read == [] and not never.ready
     assert member.known.generation == 1 and not member.known.ready

@@ -25,15 +25,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity, node_sizes
+from elastic_mnist.resilience.faces import Member
 from elastic_mnist.resilience.roster import JobRecord, Roster
-
-if TYPE_CHECKING:
-    from elastic_mnist.resilience.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +55,7 @@ class Admissions:
     """The rendezvous records as one member of the job reads and writes them (rank 0 publishes,
     beats and decides; a joining worker says it is ready and waits to be admitted)."""
 
-    def __init__(self, member: Membership, records: Roster, run_id: str, round_: int):
+    def __init__(self, member: Member, records: Roster, run_id: str, round_: int):
         """``records``: on a connection of this process's own; ``run_id``: the training run's,
         published for joiners; ``round_``: the rendezvous round whose joins are this job's."""
         self.member, self.records, self.run_id, self.round = member, records, run_id, round_

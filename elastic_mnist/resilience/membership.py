@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,11 +62,12 @@ from elastic_mnist.resilience.admissions import Admissions
 from elastic_mnist.resilience.agreement import (
     PULSE_S,
     UNKNOWN,
+    Change,
     Fault,
     Identity,
+    Position,
     declare_fault,
     generation_key,
-    looked_for,
     pulse_key,
     read_present,
     watchers,
@@ -74,79 +75,19 @@ from elastic_mnist.resilience.agreement import (
 from elastic_mnist.resilience.board import NodeBoard, board_for, parse
 from elastic_mnist.resilience.connections import Connections
 from elastic_mnist.resilience.current import CurrentGeneration
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.fence import Over
-from elastic_mnist.resilience.recovery import ReadOnce, Recovery
+from elastic_mnist.resilience.read_once import ReadOnce, read_ahead
+from elastic_mnist.resilience.recovery import Recovery
 from elastic_mnist.resilience.relay import Relay, by_themselves
 from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.survivors_group import abort_default_group
 from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
 
-if TYPE_CHECKING:
-    from elastic_mnist.resilience.agreement import Change, Position
-
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_mnist"
 WATCH_TIMEOUT = datetime.timedelta(hours=24)
-
-
-class NullMembership:
-    """No recovery in process (one node, ``--recovery restart``, NCCL under ``auto``): collectives
-    are waited on as they are, and a failure ends the worker as it always did."""
-
-    in_process = False
-    joining = False
-    """A worker of a node joining a job that trains on, until the job admits it."""
-    faulted: Fault | None = None
-    broken: str | None = None
-    """Why this generation's collectives fail (None while it is whole): a fault was declared, or
-    a collective failed."""
-
-    def guard(self, future: torch.futures.Future) -> torch.futures.Future:
-        return future
-
-    def declare(self, why: str, suspects: list[int], detail: str = "") -> Fault | None:
-        return None
-
-    def recover(self, position: Position, why: str = "died", suspects: tuple[int, ...] = (),
-                detail: str = "") -> Change:
-        raise CannotRecover("recovery in process is off")
-
-    def recovered(self) -> None:
-        """The first step after a change completed."""
-
-    def admission_due(self) -> bool:
-        """Rank 0: joining nodes are ready, and this generation decided to admit them."""
-        return False
-
-    def grow(self, position: Position) -> Change:
-        raise CannotRecover("recovery in process is off: no node joins in process")
-
-    def run(self, phase: str, work: Callable[[], Any]) -> Any:
-        """``work()``: the collectives of a recovery's ``phase``."""
-        return work()
-
-    def fall_back(self, reason: str) -> None:
-        """This rank cannot go on in process: one line and one record say where and why."""
-
-    def inject(self, phase: str) -> None:
-        """Fault injection at a recovery's ``phase`` (faults.py), for tests."""
-
-    def generation_store(self) -> dist.Store | None:
-        return None
-
-    def dropped(self) -> Over | None:
-        """Why this process is no longer one of the job's ranks, or None: see :class:`Fence`."""
-        return None
-
-    def release_agents(self) -> None:
-        """At the job's end: nothing to release."""
-
-    def finish(self) -> None:
-        """At the job's end, before the agents are released: nothing to say."""
-
-    def close(self) -> None:
-        pass
 
 
 class Membership(NullMembership):
@@ -288,32 +229,15 @@ class Membership(NullMembership):
                 or self.env.rank in by_themselves(set(range(self.env.world_size))))
 
     def _read_identities(self, known: ReadOnce, world_size: int) -> None:
-        """A watcher of ``known``'s generation reads its identities once every rank has said
-        who it is, before any fault: a lost node's pulses are then read from the moment the
-        fault is known, not once W identities have been (at 2,048 simulated ranks, 0.3 s of the
-        2 s an agreement may take). Looked for, not waited on, on the declarations' connection
-        (quick operations only: a wait would hold it; a connection of its own can take seconds
-        to open, on the store's resolver). Where a rank never says who it is, or the store does
-        not answer, a recovery reads them itself; where the recovery that began the generation
-        knew them already, it offered them (:meth:`Recovery.next_generation`)."""
-        keys = [self.key(f"id/{rank}", known.generation) for rank in range(world_size)]
+        """A watcher of ``known``'s generation reads its identities ahead, before any fault
+        (:func:`read_ahead`), on the declarations' connection; moot once they are known, the
+        generation over or the membership closed."""
         store = self.connections.declare
-
-        def moot() -> bool:
-            return known.ready or known.generation != self.generation or self._closed
-
-        try:
-            if not looked_for(store, keys, self.pg_timeout.total_seconds(), pause_s=0.05,
-                              most_s=1.0, moot=moot):
-                if not moot():
-                    log.debug("the identities of generation %d were not read ahead: not every "
-                              "rank said who it is within %s", known.generation, self.pg_timeout)
-                return
-            if not moot():
-                known.offer(self.identities(store, known.generation, world_size))
-        except RuntimeError as e:  # DistStoreError: the store went; a recovery says so
-            log.debug("the identities of generation %d were not read ahead: %s",
-                      known.generation, first_line(e))
+        read_ahead(known, store, [self.key(f"id/{rank}", known.generation)
+                                  for rank in range(world_size)], self.pg_timeout,
+                   read=lambda: self.identities(store, known.generation, world_size),
+                   moot=lambda: (known.ready or known.generation != self.generation
+                                 or self._closed))
 
     def _watch(self, generation: int, rank: int, store: dist.Store, first: bool) -> None:
         """Waits to be woken (by a declaration, or by :meth:`close`); then, for a declared fault,

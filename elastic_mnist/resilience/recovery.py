@@ -29,9 +29,9 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,9 @@ from elastic_mnist.resilience.agreement import (
     watchers,
 )
 from elastic_mnist.resilience.current import dropped_line
+from elastic_mnist.resilience.faces import Member
+from elastic_mnist.resilience.read_once import ReadOnce
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
-
-if TYPE_CHECKING:
-    from elastic_mnist.resilience.membership import Membership
 
 log = logging.getLogger(__name__)
 
@@ -74,47 +73,10 @@ DROPPED_QUESTION_S = 2.0
 """How long a give-up waits to learn whether the job went on without this rank."""
 
 
-class ReadOnce(Mapping[int, Identity]):
-    """A generation's identities, read from the store at the first look, once (or offered
-    before it: :meth:`offer`)."""
-
-    def __init__(self, read: Callable[[], dict[int, Identity]], generation: int = -1):
-        self._read = read
-        self.generation = generation
-        self._found: dict[int, Identity] | None = None
-        self._lock = threading.Lock()
-
-    def read(self, again: bool = False) -> dict[int, Identity]:
-        with self._lock:
-            if self._found is None or again:
-                self._found = self._read()
-            return self._found
-
-    @property
-    def ready(self) -> bool:
-        """Read already: a look costs no store operation."""
-        return self._found is not None
-
-    def offer(self, found: dict[int, Identity]) -> None:
-        """``found``, read elsewhere, where nothing was read yet."""
-        with self._lock:
-            if self._found is None:
-                self._found = found
-
-    def __getitem__(self, rank: int) -> Identity:
-        return self.read()[rank]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.read())
-
-    def __len__(self) -> int:
-        return len(self.read())
-
-
 class Recovery:
     """The recovery of one worker's membership: lives as long as it, one change at a time."""
 
-    def __init__(self, member: Membership):
+    def __init__(self, member: Member):
         self.member = member
         self.phase = "detecting the fault"
         """Where a recovery stands, to say where it failed."""
