@@ -1,6 +1,7 @@
-"""Our rendezvous backend (elastic_mnist/resilience/agents.py, roster.py): several agents' handlers
-in this process on a real TCPStore, each in a thread as torchrun's agents would call them, and
-one real launch of two torchrun agents with ``--rdzv_backend=elastic-mnist``."""
+"""Our rendezvous backend (elastic_mnist/resilience/agents.py, the rooms beside it, roster.py):
+several agents' handlers in this process on a real TCPStore, each in a thread as torchrun's agents
+would call them, and one real launch of two torchrun agents with ``--rdzv_backend=elastic-mnist``.
+"""
 
 from __future__ import annotations
 
@@ -30,8 +31,9 @@ from torch.distributed.elastic.rendezvous import (
 )
 from torch.distributed.elastic.utils.store import barrier
 
-from elastic_mnist.resilience import agents, plugin
-from elastic_mnist.resilience.agents import AgentsHandler, GracefulExit, Settings
+from elastic_mnist.resilience import agents, exit_barrier, keep_alive, plugin
+from elastic_mnist.resilience.agent_settings import Settings
+from elastic_mnist.resilience.agents import AgentsHandler, GracefulExit
 from elastic_mnist.resilience.roster import (
     LOOKED_AT_S,
     JobRecord,
@@ -134,7 +136,7 @@ def test_rounds_close_at_max_at_once_or_after_the_last_call_ranks_by_name(store,
         infos = rendezvous([b, c, a])
         assert time.monotonic() - start < 1.0  # at the maximum: no last call
         assert ranks(infos) == [(1, 3), (2, 3), (0, 3)]
-        assert all(isinstance(info.store, agents.ExitStore) for info in infos)
+        assert all(isinstance(info.store, exit_barrier.ExitStore) for info in infos)
         assert (infos[0].bootstrap_store_info.master_addr,
                 infos[0].bootstrap_store_info.master_port) == ("127.0.0.1", port)
         assert b.environment == {
@@ -256,7 +258,7 @@ def test_keep_alives_go_on_after_a_store_stall_and_a_dead_agent_is_seen_in_time(
             assert time.monotonic() - stopped < 0.1 * 3 + 0.2 + 0.2
             time.sleep(0.02)
 
-        caplog.set_level(logging.WARNING, logger=agents.__name__)
+        caplog.set_level(logging.WARNING, logger=keep_alive.__name__)
         before = direct.keep_alives(serials[:2])
         proxy.cut()
         time.sleep(0.6)
@@ -789,7 +791,7 @@ def test_a_job_that_recovers_by_restarts_keeps_the_whole_round_at_the_exit_barri
                                                world_size=2, in_process=False, run_id="job",
                                                finished=False))
     with pytest.raises(dist.DistStoreError, match=f"agent.s. {b.serial} of the job"):
-        a.exit_barrier(0.5)
+        a.barrier.wait(0.5)
 
 
 def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only():
@@ -822,7 +824,7 @@ def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only(
             time.sleep(0.6)  # at the maximum: it waits
             assert not waiting.done()
             assert host.roster.waiting_agents() == [silent.serial, late.serial]
-            barriers = [pool.submit(h.exit_barrier, 5.0) for h in (host, other)]
+            barriers = [pool.submit(h.barrier.wait, 5.0) for h in (host, other)]
             for barrier in barriers:
                 barrier.result(timeout=5)
             start = time.monotonic()
@@ -830,7 +832,7 @@ def test_the_agent_serving_the_store_lingers_for_agents_that_wait_to_enter_only(
             took = time.monotonic() - start
             assert waiting.done(), "the host left while an agent still read its store"
             assert isinstance(waiting.exception(), GracefulExit)
-        assert took < agents.LINGER_S * 0.8, took  # not held up by the silent one
+        assert took < exit_barrier.LINGER_S * 0.8, took  # not held up by the silent one
     finally:
         for h in (other, silent, late):
             if h is not None:

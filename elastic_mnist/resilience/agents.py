@@ -6,7 +6,7 @@ torchrun finds it under the ``torchrun.handlers`` entry points (pyproject.toml, 
 membership reads too, so agents and workers share one membership:
 
 - each agent takes a serial and keeps a keep-alive counter moving from a thread of its own for
-  as long as its process lives (a store that stalls holds it up, never stops it);
+  as long as its process lives (keep_alive.py);
 - rounds form as torch's c10d rendezvous forms them (``--nnodes=MIN:MAX``, ``last_call_timeout``,
   ``join_timeout``), ranks in the order of the agents' names and pids, as c10d's; an agent that restarts its workers moves the
   rendezvous to the next round, and :meth:`~AgentsHandler.num_nodes_waiting` counts the agents
@@ -16,32 +16,23 @@ membership reads too, so agents and workers share one membership:
   have once admitted, nobody restarts; beyond ``MAX`` nodes it waits, saying why in one line;
 - ranks come by arithmetic (``TORCH_ELASTIC_WORKER_IDENTICAL=1``), so nodes must have the same
   ``--nproc_per_node``; the agent's exit barrier waits for the live agents of the job only
-  (:class:`ExitStore`).
+  (exit_barrier.py).
 
 The store is the c10d TCPStore of ``--rdzv_endpoint``, served by the agent on the endpoint's
-host (listening where that host's name resolves, elastic_mnist/stores.py; another agent there
-connects when the port is taken) or by ``elastic-mnist rendezvous`` (every agent
-``is_host=false``). An agent that waited for a job which then finished leaves with exit 0
-(:class:`GracefulExit`). No private name of torch is used here. ``--rdzv_conf`` keys, read
-as torch's c10d backend reads them (seconds may have fractions here): ``join_timeout`` (600),
-``last_call_timeout`` (30), ``keep_alive_interval`` (5), ``keep_alive_max_attempt`` (3),
-``is_host`` (whether the endpoint's host is this machine), ``read_timeout`` (60: the store's, for
-connecting and reading). ``timeout``, which torchrun always passes (its legacy rendezvous
-timeout, 900 unless given), is ignored as c10d ignores it: ``join_timeout`` bounds the join.
+host (agent_store.py: listening where that host's name resolves; another agent there connects
+when the port is taken) or by ``elastic-mnist rendezvous`` (every agent ``is_host=false``). An agent that waited for a job which then finished leaves with exit 0
+(:class:`GracefulExit`). No private name of torch is used here. ``--rdzv_conf`` keys:
+agent_settings.py.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import ipaddress
 import logging
 import os
 import socket
-import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -55,11 +46,13 @@ from torch.distributed.elastic.rendezvous import (
     RendezvousStoreInfo,
     RendezvousTimeoutError,
 )
-from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from elastic_mnist.errors import first_line
-from elastic_mnist.rendezvous import DEFAULT_PORT
 from elastic_mnist.resilience import roster as rs
+from elastic_mnist.resilience.agent_settings import NAME, Settings, torchrun_nproc
+from elastic_mnist.resilience.agent_store import client, connect
+from elastic_mnist.resilience.exit_barrier import ExitBarrier, ExitStore
+from elastic_mnist.resilience.keep_alive import KeepAlive
 from elastic_mnist.resilience.roster import (
     AgentRecord,
     Liveness,
@@ -70,17 +63,10 @@ from elastic_mnist.resilience.roster import (
 
 log = logging.getLogger(__name__)
 
-NAME = "elastic-mnist"
-"""The backend's name: ``--rdzv_backend=elastic-mnist`` (pyproject.toml's entry point)."""
 POLL_S = 0.05
-"""How often an agent reads the store while a round forms or at the exit barrier."""
+"""How often an agent reads the store while a round forms."""
 WAIT_S = 0.2
 """How often it reads while it waits for room, a job record, or its judgement of others."""
-LINGER_S = 1.0
-"""How long the agent serving the store waits, as it shuts down, for the agents at the exit
-barrier to leave it (their store goes with it)."""
-CONF = {"join_timeout", "last_call_timeout", "keep_alive_interval", "keep_alive_max_attempt",
-        "is_host", "timeout", "read_timeout"}
 
 
 def create_handler(params: RendezvousParameters) -> AgentsHandler:
@@ -105,93 +91,6 @@ class GracefulExit(SystemExit):
 
 
 @dataclass(frozen=True)
-class Settings:
-    """One agent's rendezvous, from torchrun's ``RendezvousParameters``."""
-
-    run_id: str
-    host: str
-    port: int
-    min_nodes: int
-    max_nodes: int
-    local_addr: str | None = None
-    is_host: bool | None = None
-    """``is_host`` of ``--rdzv_conf``; None: whether ``host`` is this machine."""
-    join_timeout_s: float = 600.0
-    last_call_timeout_s: float = 30.0
-    keep_alive_interval_s: float = rs.KEEP_ALIVE_S
-    keep_alive_max_attempt: int = rs.KEEP_ALIVE_ATTEMPTS
-    timeout_s: float = 60.0
-
-    @classmethod
-    def from_params(cls, params: RendezvousParameters) -> Settings:
-        host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
-        unknown = sorted(set(params.config) - CONF)
-        if unknown:
-            log.warning("the %s rendezvous ignores --rdzv_conf key(s) %s (it reads %s)", NAME,
-                        ", ".join(unknown), ", ".join(sorted(CONF)))
-
-        def seconds(key: str, default: float, zero: bool = False) -> float:
-            value = params.get(key, default)
-            try:
-                parsed = float(value)
-            except (TypeError, ValueError):
-                parsed = float("nan")
-            if not (0 <= parsed < float("inf")) or (parsed == 0 and not zero):
-                raise ValueError(f"--rdzv_conf {key}={value!r}: a number of seconds "
-                                 f"{'of 0 or more' if zero else 'above 0'} is expected")
-            return parsed
-
-        attempts = params.get_as_int("keep_alive_max_attempt", rs.KEEP_ALIVE_ATTEMPTS)
-        if attempts is None or attempts < 1:
-            raise ValueError(f"--rdzv_conf keep_alive_max_attempt={attempts}: 1 or more")
-        return cls(run_id=params.run_id, host=host, port=port, min_nodes=params.min_nodes,
-                   max_nodes=params.max_nodes, local_addr=params.local_addr,
-                   is_host=params.get_as_bool("is_host"),
-                   join_timeout_s=seconds("join_timeout", 600.0),
-                   last_call_timeout_s=seconds("last_call_timeout", 30.0, zero=True),
-                   keep_alive_interval_s=seconds("keep_alive_interval", rs.KEEP_ALIVE_S),
-                   keep_alive_max_attempt=attempts,
-                   timeout_s=seconds("read_timeout", 60.0))
-
-
-def torchrun_nproc(argv: list[str] | None = None) -> int:
-    """``--nproc_per_node`` as torchrun itself reads it from this agent's command line."""
-    from torch.distributed.run import determine_local_world_size, get_args_parser
-
-    parser = get_args_parser()
-
-    def refuse(message: str) -> None:
-        raise ValueError(message)
-
-    parser.error = refuse  # type: ignore[method-assign] - argparse would exit
-    argv = sys.argv[1:] if argv is None else argv
-    try:
-        return determine_local_world_size(parser.parse_args(argv).nproc_per_node)
-    except (ValueError, SystemExit) as e:
-        raise RendezvousError(
-            f"the {NAME} rendezvous reads --nproc_per_node from torchrun's command line, and "
-            f"this one is not torchrun's ({first_line(e)}): {' '.join(argv)[:200]}") from None
-
-
-def is_this_machine(host: str) -> bool:
-    """Whether ``host`` names this machine: a loopback name or address, its host name, or a
-    name that resolves to one of its host name's addresses."""
-    try:
-        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
-            return True
-    except ValueError:
-        pass
-    if host in (socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
-        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
-    except (OSError, UnicodeError):
-        return False
-    return bool(theirs & ours)
-
-
-@dataclass(frozen=True)
 class Answer:
     """Where one rendezvous put this agent."""
 
@@ -207,7 +106,7 @@ class AgentsHandler(RendezvousHandler):
 
     def __init__(self, settings: Settings, nproc: int):
         self.settings, self.nproc = settings, nproc
-        self.server, self.store = self._connect()
+        self.server, self.store = connect(settings)
         self.port = self.store.port
         self.roster = Roster(self.store, settings.run_id)
         try:
@@ -229,7 +128,10 @@ class AgentsHandler(RendezvousHandler):
         """Whether this agent waited for a job it found running (see :meth:`_finish`)."""
         self.records: dict[int, AgentRecord] = {}
         self.next_look = 0.0
-        self.exit_store = ExitStore(self)
+        self.barrier = ExitBarrier(self.roster, self.serial, self.liveness, lambda: (
+            self.round if self.round is not None else self.seen_round))
+        """This agent's exit barrier (exit_barrier.py)."""
+        self.exit_store = ExitStore(self.barrier, self.store, settings.timeout_s)
         self.environment: dict[str, str] = {}
         """What this handler exported to its workers (also in ``os.environ``)."""
         self._export(TORCH_ELASTIC_WORKER_IDENTICAL="1", **{
@@ -246,47 +148,9 @@ class AgentsHandler(RendezvousHandler):
         host = self.settings.host
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
-    def _client(self, port: int | None = None) -> dist.TCPStore:
-        return dist.TCPStore(self.settings.host, self.port if port is None else port,
-                             is_master=False,
-                             timeout=datetime.timedelta(seconds=self.settings.timeout_s))
-
-    def _connect(self) -> tuple[dist.TCPStore | None, dist.TCPStore]:
-        """(the store this agent serves, or None; this agent's connection to the store)."""
-        from elastic_mnist.stores import listening, serve_store
-
-        s = self.settings
-        server = None
-        if s.is_host if s.is_host is not None else is_this_machine(s.host):
-            try:
-                server = serve_store(s.host, s.port, peers_local=False,
-                                     timeout=datetime.timedelta(seconds=s.timeout_s))
-                log.info("this agent (pid %d) serves the rendezvous store on %s:%d",
-                         os.getpid(), s.host, server.port)
-            except (OSError, RuntimeError) as e:
-                if s.is_host:
-                    raise RendezvousConnectionError(
-                        f"cannot serve the rendezvous store on {s.host}:{s.port} (is_host=true): "
-                        f"{first_line(e)}") from None
-        if server is not None:
-            return server, self._client(server.port)
-        # Another node's agent serves it, or `elastic-mnist rendezvous`: the nodes of a job start
-        # together, and this one waits for the store as long as for the job's first nodes.
-        deadline = time.monotonic() + s.join_timeout_s
-        # Not torch's own retries: they log a C++ trace when they end.
-        while not listening(s.host, s.port, timeout_s=1.0):
-            if time.monotonic() >= deadline:
-                sys.stderr.write(f"torchrun: error: no rendezvous store answers at {s.host}:"
-                                 f"{s.port} after {s.join_timeout_s:g} s (join_timeout of "
-                                 f"--rdzv_conf); start the head node or the store first, or fix "
-                                 f"--rdzv_endpoint\n")
-                raise SystemExit(2)
-            time.sleep(POLL_S)
-        try:
-            return None, self._client(s.port)
-        except RuntimeError as e:
-            raise RendezvousConnectionError(f"cannot reach the rendezvous store at {s.host}:"
-                                            f"{s.port}: {first_line(e)}") from None
+    def _client(self) -> dist.TCPStore:
+        """A connection of its own to the store (the keep-alive's)."""
+        return client(self.settings, self.port)
 
     def _export(self, **variables: str | None) -> None:
         """Puts ``variables`` in this process's environment (None: removes it), which torchrun's
@@ -326,9 +190,9 @@ class AgentsHandler(RendezvousHandler):
         when it reaches the exit barrier."""
         if self.round is None:
             return 0
-        if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (_linger)
+        if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (linger)
             waiting = self.roster.waiting_agents() if self.server is not None else []
-            judged = self._exit_expected() + waiting
+            judged = self.barrier.expected() + waiting
             self.liveness.dead(judged)
             self.next_look = time.monotonic() + look_interval(
                 self.settings.keep_alive_interval_s, len(judged))
@@ -342,7 +206,7 @@ class AgentsHandler(RendezvousHandler):
         try:
             self.roster.leave(self.serial)
             if self.server is not None:
-                self._linger()
+                self.barrier.linger()
         except Exception as e:  # noqa: BLE001 - the store's host may have exited already
             log.debug("could not record agent %d's end: %s", self.serial, first_line(e))
         return True
@@ -456,7 +320,7 @@ class AgentsHandler(RendezvousHandler):
     @contextlib.contextmanager
     def _waiting(self) -> Iterator[None]:
         """Says in the store, while it lasts, that this agent waits to enter the job: the agent
-        serving the store lingers for it (:meth:`_linger`)."""
+        serving the store lingers for it (:meth:`ExitBarrier.linger`)."""
         self.roster.set_waiting(self.serial, True)
         try:
             yield
@@ -595,142 +459,3 @@ class AgentsHandler(RendezvousHandler):
                                         f"job needs a --rdzv_id of its own)")
         log.warning("%s: agent %d leaves (exit 0)", why, self.serial)
         raise GracefulExit(why)
-
-    # --- the exit barrier --------------------------------------------------------------------
-
-    def exit_barrier(self, timeout_s: float) -> None:
-        """Waits until every live agent of the job has arrived here too, at most ``timeout_s``:
-        the agents of the job's last record of this round (``P job``'s nodes), else those of the
-        round."""
-        roster = self.roster
-        roster.arrive_at_exit(self.serial)
-        start = time.monotonic()
-        arrived: set[int] = {self.serial}
-        while True:
-            expected = self._exit_expected()
-            missing = [n for n in expected if n not in arrived]
-            arrived |= {n for n in missing if roster.at_exit(n)}
-            missing = [n for n in missing if n not in arrived]
-            if missing:
-                missing = sorted(set(missing) - self.liveness.dead(missing))
-            if not missing:
-                break
-            if time.monotonic() - start >= timeout_s:
-                raise dist.DistStoreError(
-                    f"the exit barrier timed out after {timeout_s:g}s: agent(s) "
-                    f"{', '.join(map(str, missing))} of the job are alive and have not arrived")
-            time.sleep(POLL_S)
-        roster.pass_exit(self.serial)
-
-    def _exit_expected(self) -> list[int]:
-        """This agent and those of its round's job (``P job``'s nodes where it runs in process,
-        else the round's), with the agents that asked to join the job and were not admitted
-        (their workers read in the store that the job ended without them, then their agents come
-        here: the store must outlive them)."""
-        round_ = self.round if self.round is not None else self.seen_round
-        job = self.roster.job()
-        if job is not None and job.round == round_ and job.in_process:  # else it names none
-            nodes = job.nodes + [n for _, n in self.roster.pending_joins(round_, job.nodes,
-                                                                        set(), job)]
-        else:
-            nodes = self.roster.members(round_) or []
-        return sorted(set(nodes) | {self.serial})
-
-    def _linger(self) -> None:
-        """The agent serving the store waits, at most LINGER_S, for the other live agents to be
-        done with it: those at the exit barrier to pass it, those that wait to enter the job to
-        see that it ended and leave. The store goes with this process."""
-        roster = self.roster
-        expected = [n for n in self._exit_expected() if n != self.serial]
-        until = time.monotonic() + LINGER_S
-        while time.monotonic() < until:
-            others = {n for n in expected if roster.at_exit(n) and not roster.passed_exit(n)}
-            others |= set(roster.waiting_agents()) - {self.serial}
-            if not others - self.liveness.dead(sorted(others)):
-                return
-            time.sleep(POLL_S / 5)
-
-
-class KeepAlive:
-    """Agent ``serial``'s keep-alive: a thread that raises its counter every ``interval_s``, on
-    a store connection of its own, from start until :meth:`stop`. A store that stalls holds a
-    raise up; one that fails is said once, then the thread connects again and goes on."""
-
-    def __init__(self, connect: Callable[[], dist.Store], run_id: str, serial: int,
-                 interval_s: float):
-        self.connect, self.run_id, self.serial, self.interval_s = (connect, run_id, serial,
-                                                                   interval_s)
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True,
-                                       name=f"rdzv-keep-alive-{serial}")
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopped.set()
-
-    def _run(self) -> None:
-        roster, failing = None, False
-        while not self.stopped.wait(self.interval_s):
-            try:
-                if roster is None:
-                    roster = Roster(self.connect(), self.run_id)
-                roster.keep_alive(self.serial)
-                if failing:
-                    log.warning("agent %d's keep-alive reaches the store again", self.serial)
-                    failing = False
-            except Exception as e:  # noqa: BLE001 - never stop while the agent lives
-                roster = None
-                if not failing and not self.stopped.is_set():
-                    log.warning("agent %d's keep-alive cannot reach the store (%s): it tries "
-                                "again every %gs", self.serial, first_line(e), self.interval_s)
-                    failing = True
-
-
-class ExitStore(dist.Store):
-    """The store torchrun's agent gets with each rendezvous, which it uses for its exit barrier
-    alone (with ``TORCH_ELASTIC_WORKER_IDENTICAL=1``): ``set_timeout`` and ``timeout``, ``add``
-    and ``set`` (kept under this agent's private prefix, ``P exitstore/<n>/``, whatever the key),
-    and ``wait``, which is our barrier (:meth:`AgentsHandler.exit_barrier`). Anything else it is
-    asked is refused with an error that names it: torch's agent asks more than ours knows."""
-
-    ASKED = ("set_timeout", "timeout", "add", "set", "wait")
-
-    def __init__(self, handler: AgentsHandler):
-        super().__init__()
-        self.handler = handler
-        self._timeout = datetime.timedelta(seconds=handler.settings.timeout_s)
-
-    @property
-    def timeout(self) -> datetime.timedelta:
-        return self._timeout
-
-    def set_timeout(self, timeout: datetime.timedelta) -> None:
-        self._timeout = timeout
-
-    def _key(self, key: str) -> str:
-        return self.handler.roster.key(f"exitstore/{self.handler.serial}/{key}")
-
-    def add(self, key: str, value: int) -> int:
-        return self.handler.store.add(self._key(key), value)
-
-    def set(self, key: str, value: str | bytes) -> None:
-        self.handler.store.set(self._key(key), value)
-
-    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
-        self.handler.exit_barrier((timeout or self._timeout).total_seconds())
-
-
-def _refused(name: str) -> Callable[..., None]:
-    def refuse(self: ExitStore, *args: object, **kwargs: object) -> None:
-        message = (f"torchrun's agent asked the exit store for {name}(), which the {NAME} "
-                   f"rendezvous does not provide (it knows {', '.join(ExitStore.ASKED)}): "
-                   f"elastic_mnist/resilience/agents.py needs to learn this torch")
-        log.error(message)
-        raise RuntimeError(message)
-
-    return refuse
-
-
-for _name in dir(dist.Store):
-    if not _name.startswith("_") and _name not in ExitStore.ASKED:
-        setattr(ExitStore, _name, _refused(_name))

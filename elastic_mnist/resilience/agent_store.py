@@ -1,0 +1,88 @@
+"""An agent's rendezvous store (agents.py), its one job: the c10d TCPStore of ``--rdzv_endpoint``,
+served by the agent on the endpoint's host (listening where that host's name resolves,
+elastic_mnist/stores.py; another agent there connects when the port is taken), else connected
+to, once it listens: the nodes of a job start together, and an agent waits for the store as long
+as for the job's first nodes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import logging
+import os
+import socket
+import sys
+import time
+
+import torch.distributed as dist
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+
+from elastic_mnist.errors import first_line
+from elastic_mnist.resilience.agent_settings import Settings
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.05
+"""How often an agent looks whether the store listens."""
+
+
+def client(settings: Settings, port: int) -> dist.TCPStore:
+    """A connection to the store at ``settings``' host and ``port``."""
+    return dist.TCPStore(settings.host, port, is_master=False,
+                         timeout=datetime.timedelta(seconds=settings.timeout_s))
+
+
+def connect(s: Settings) -> tuple[dist.TCPStore | None, dist.TCPStore]:
+    """(the store this agent serves, or None; this agent's connection to the store)."""
+    from elastic_mnist.stores import listening, serve_store
+
+    server = None
+    if s.is_host if s.is_host is not None else is_this_machine(s.host):
+        try:
+            server = serve_store(s.host, s.port, peers_local=False,
+                                 timeout=datetime.timedelta(seconds=s.timeout_s))
+            log.info("this agent (pid %d) serves the rendezvous store on %s:%d",
+                     os.getpid(), s.host, server.port)
+        except (OSError, RuntimeError) as e:
+            if s.is_host:
+                raise RendezvousConnectionError(
+                    f"cannot serve the rendezvous store on {s.host}:{s.port} (is_host=true): "
+                    f"{first_line(e)}") from None
+    if server is not None:
+        return server, client(s, server.port)
+    # Another node's agent serves it, or `elastic-mnist rendezvous`: the nodes of a job start
+    # together, and this one waits for the store as long as for the job's first nodes.
+    deadline = time.monotonic() + s.join_timeout_s
+    # Not torch's own retries: they log a C++ trace when they end.
+    while not listening(s.host, s.port, timeout_s=1.0):
+        if time.monotonic() >= deadline:
+            sys.stderr.write(f"torchrun: error: no rendezvous store answers at {s.host}:"
+                             f"{s.port} after {s.join_timeout_s:g} s (join_timeout of "
+                             f"--rdzv_conf); start the head node or the store first, or fix "
+                             f"--rdzv_endpoint\n")
+            raise SystemExit(2)
+        time.sleep(POLL_S)
+    try:
+        return None, client(s, s.port)
+    except RuntimeError as e:
+        raise RendezvousConnectionError(f"cannot reach the rendezvous store at {s.host}:"
+                                        f"{s.port}: {first_line(e)}") from None
+
+
+def is_this_machine(host: str) -> bool:
+    """Whether ``host`` names this machine: a loopback name or address, its host name, or a
+    name that resolves to one of its host name's addresses."""
+    try:
+        if host == "localhost" or ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    if host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        theirs = {info[4][0] for info in socket.getaddrinfo(host, None)}
+        ours = {info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None)}
+    except (OSError, UnicodeError):
+        return False
+    return bool(theirs & ours)

@@ -1,0 +1,53 @@
+"""An agent's keep-alive (agents.py), its one job: a counter in the rendezvous store that a thread
+of the agent's own raises for as long as the agent's process lives, which the others read to tell
+a live agent from a dead one (roster.py's ``Liveness``). A store that stalls holds it up, never
+stops it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from elastic_mnist.errors import first_line
+from elastic_mnist.resilience.roster import Roster
+
+log = logging.getLogger(__name__)
+
+
+class KeepAlive:
+    """Agent ``serial``'s keep-alive: a thread that raises its counter every ``interval_s``, on
+    a store connection of its own, from start until :meth:`stop`. A store that stalls holds a
+    raise up; one that fails is said once, then the thread connects again and goes on."""
+
+    def __init__(self, connect: Callable[[], dist.Store], run_id: str, serial: int,
+                 interval_s: float):
+        self.connect, self.run_id, self.serial, self.interval_s = (connect, run_id, serial,
+                                                                   interval_s)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True,
+                                       name=f"rdzv-keep-alive-{serial}")
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        roster, failing = None, False
+        while not self.stopped.wait(self.interval_s):
+            try:
+                if roster is None:
+                    roster = Roster(self.connect(), self.run_id)
+                roster.keep_alive(self.serial)
+                if failing:
+                    log.warning("agent %d's keep-alive reaches the store again", self.serial)
+                    failing = False
+            except Exception as e:  # noqa: BLE001 - never stop while the agent lives
+                roster = None
+                if not failing and not self.stopped.is_set():
+                    log.warning("agent %d's keep-alive cannot reach the store (%s): it tries "
+                                "again every %gs", self.serial, first_line(e), self.interval_s)
+                    failing = True
