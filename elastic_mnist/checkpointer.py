@@ -1,5 +1,5 @@
 """Saving without stalling training: the checkpointer owns the saving policy (every N steps,
-epoch ends, the end), copies the state to CPU memory and commits it from a writer thread in the
+every S seconds, epoch ends, the end), copies the state to CPU memory and commits it from a writer thread in the
 format checkpoint.py defines; ranks that do not save hold the null one, which does nothing."""
 
 from __future__ import annotations
@@ -61,16 +61,22 @@ class NullCheckpointer:
 
 
 class Checkpointer(NullCheckpointer):
-    """Owns the saving policy (every N steps, epoch ends, the end) and writes in the background.
+    """Owns the saving policy (every N steps, every S seconds, epoch ends, the end) and writes in
+    the background.
 
     ``maybe_save`` blocks only to copy the state into CPU memory (and, rarely, to wait for the
     previous write); a writer thread serialises, hashes and commits it.
     """
 
     def __init__(self, directory: Path, *, every: int, keep_last: int, restart_generation: int,
+                 every_seconds: float = 0.0,
                  before_write: Callable[[int], None] = lambda step: None,
-                 taking_over_at: int | None = None, fence: NullFence = NO_FENCE):
-        """``taking_over_at``: the step at which this rank 0 takes over, in process, from one
+                 taking_over_at: int | None = None, fence: NullFence = NO_FENCE,
+                 clock: Callable[[], float] = time.monotonic):
+        """``every``, ``every_seconds``: also save every that many steps, and at the first step
+        that ends that many seconds after the last save began (or after this checkpointer was
+        made), so that a restart redoes a bounded time of training whatever the step time (0:
+        neither). ``taking_over_at``: the step at which this rank 0 takes over, in process, from one
         that is gone. Its temp files are kept (its writer may still be finishing), and a
         checkpoint it committed at that step is not written again. Otherwise the temp files a
         writer killed mid-write left are taken back."""
@@ -79,6 +85,9 @@ class Checkpointer(NullCheckpointer):
         self.fence = fence
         """Called in the writer thread before each write, with its step (fault injection)."""
         self.every = every
+        self.every_seconds = every_seconds
+        self.clock = clock
+        self._last_save_began = clock()
         self.keep_last = keep_last
         self.restart_generation = restart_generation
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -102,7 +111,12 @@ class Checkpointer(NullCheckpointer):
     def should_save(self, step: int, *, epoch_end: bool = False, final: bool = False) -> bool:
         if step == self._last_saved_step or step == 0:
             return False
-        return final or epoch_end or (self.every > 0 and step % self.every == 0)
+        return final or epoch_end or (self.every > 0 and step % self.every == 0) or self.time_due()
+
+    def time_due(self) -> bool:
+        """``every_seconds`` have passed since the last save began."""
+        return (self.every_seconds > 0
+                and self.clock() - self._last_save_began >= self.every_seconds)
 
     def maybe_save(self, state_fn, step: int, *, epoch_end: bool = False,
                    final: bool = False) -> bool:
@@ -117,6 +131,7 @@ class Checkpointer(NullCheckpointer):
         if self.failed and not final:  # said by the step's collective; saving more cannot help
             return False
         start = time.perf_counter()
+        self._last_save_began = self.clock()
         self.wait()
         payload = snapshot(state_fn())
         bad = nonfinite_entries(payload)

@@ -106,7 +106,8 @@ class Duties:
     def checkpointer(self, env: DistEnv, generation: int, faults: Faults,
                      taking_over_at: int | None = None) -> NullCheckpointer:
         c = self.cfg.checkpoint
-        return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every, keep_last=c.keep_last,
+        return (Checkpointer(self.checkpoint_dir, every=c.checkpoint_every,
+                             every_seconds=c.checkpoint_every_seconds, keep_last=c.keep_last,
                              restart_generation=generation, before_write=faults.before_save,
                              taking_over_at=taking_over_at, fence=self.fence)
                 if env.is_main else NullCheckpointer())

@@ -29,7 +29,7 @@ from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.comm import Comm
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset
-from elastic_mnist.data.order import SampleOrder, share
+from elastic_mnist.data.order import SampleOrder, Shares, share
 from elastic_mnist.engine import Engine
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import (
@@ -144,6 +144,7 @@ class Trainer:
         changes its values in place), which the report and the regroup read too."""
         self.report = Report(cfg, self.progress, self.order, self.total_steps, self.model,
                              self.optimizer, dataset, self.test_data, device)
+        self.shares_said_for = 0
         self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
                                device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
@@ -163,6 +164,21 @@ class Trainer:
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         self.comm = Comm(self.env, self.membership, self.writers.watchdog)
         self.report.enter(self.env, self.restart_generation, self.writers, self.comm)
+        self.say_shares()
+
+    def say_shares(self) -> None:
+        """Rank 0 says how the ranks share a step, once per world size; a warning where some
+        have nothing to do."""
+        if not self.env.is_main or self.env.world_size == self.shares_said_for:
+            return
+        self.shares_said_for = self.env.world_size
+        o = self.cfg.optim
+        shares = Shares(o.global_batch_size, o.micro_batch_size, self.env.world_size)
+        idle = shares.idle_warning()
+        if idle:
+            log.warning("%s", idle)
+        else:
+            log.info("%s", shares.describe())
 
     # --- state (state.py) ----------------------------------------------------------------------
 

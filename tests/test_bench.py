@@ -45,6 +45,7 @@ def test_every_cpu_contender_writes_its_figures(tiny_digits, tmp_path):
     figures = results["figures"]
     for name in ("seed_samples_per_s", "worker_samples_per_s", "ckpt_cost_ms",
                  "ckpt_blocking_ms", "worker_peak_rss_mb", "worker_vs_seed", "ckpt_overhead_pct",
+                 "ckpt_default_overhead_pct", "ckpt_interval_s",
                  "paired_floor_samples_per_s", "paired_worker_vs_floor_pct",
                  "paired_ddp_overhead_pct", "startup_first_step_s", "startup_import_torch_s",
                  "startup_import_dynamo_s", "startup_ours_s"):
@@ -61,7 +62,8 @@ def test_every_cpu_contender_writes_its_figures(tiny_digits, tmp_path):
     assert 0 < figures["recovery_shipped_start_s"]["median"] <= took < 120
     assert set(results["targets"]) >= {"worker_vs_seed", "paired_worker_vs_floor_pct",
                                        "paired_ddp_overhead_pct", "ckpt_blocking_ms",
-                                       "recovery_shipped_s", "worker_peak_rss_mb"}
+                                       "recovery_shipped_s", "worker_peak_rss_mb",
+                                       "ckpt_default_overhead_pct"}
     # The paired contender's worker wrote what a real run writes: scalars and checkpoints.
     paired = next(tmp_path.glob("work/*-paired"))
     assert list((paired / "worker" / "runs").glob("events.out.tfevents.*"))

@@ -142,6 +142,28 @@ def test_background_writer_commits_and_reports_blocking_time(tmp_path):
     assert state_digest(deserialize(data, "x")["model"]) == state_digest(model.state_dict())
 
 
+def test_a_save_every_s_seconds_bounds_what_a_restart_redoes_whatever_the_step_time(tmp_path):
+    """The default cadence is a clock: steps of 0.5 s, 3 s and 25 s are saved at the first step
+    that ends 10 s after the last save began (or after the start): a restart redoes at most 10 s
+    and one step."""
+    model = build_model(0)
+    now = [0.0]
+    for step_s, steps, saved_steps in ((0.5, 60, [20, 40, 60]), (3.0, 20, [4, 8, 12, 16, 20]),
+                                       (25.0, 10, list(range(1, 11)))):
+        folder = tmp_path / str(step_s)
+        checkpointer = Checkpointer(folder, every=0, every_seconds=10.0, keep_last=100,
+                                    restart_generation=0, clock=lambda: now[0])
+        saved = []
+        for step in range(1, steps + 1):
+            now[0] += step_s
+            if checkpointer.maybe_save(
+                    lambda step=step: {**payload(step), "model": model.state_dict()}, step):
+                saved.append(step)
+        checkpointer.close()
+        assert saved == saved_steps, step_s
+        assert sorted(m.step for m in list_manifests(folder)) == saved_steps
+
+
 def test_inspect_reports_every_checkpoint(tmp_path):
     beside_the_checkpoints(tmp_path)
     save(tmp_path, 1, seed=1)

@@ -39,13 +39,13 @@ def test_help_documents_every_contract_flag_with_its_default():
     text = " ".join(done.stdout.split())
     for flag in CONTRACT_FLAGS:
         assert flag in text, flag
-    assert "(default: 128)" in text and "(default: 'checkpoints')" in text
+    assert "(default: 768)" in text and "(default: 'checkpoints')" in text
 
 
 @pytest.mark.parametrize("argv, flag", [
     (["--epochs", "0"], "--epochs"),
     (["--global-batch-size", "-1"], "--global-batch-size"),
-    (["--micro-batch-size", "256"], "--micro-batch-size"),
+    (["--micro-batch-size", "1024"], "--micro-batch-size"),
     (["--max-steps", "-3"], "--max-steps"),
     (["--lr", "0"], "--lr"),
     (["--lr", "inf"], "--lr"),
@@ -85,13 +85,13 @@ def test_a_bad_flag_is_one_line_from_the_real_program_too(tmp_path):
     assert "error" in done.stdout
 
 
-@pytest.mark.parametrize("global_batch, micro", [(128, 32), (24, 24), (100, 25), (7, 7), (96, 32)])
+@pytest.mark.parametrize("global_batch, micro", [(768, 8), (128, 8), (24, 8), (100, 5), (7, 7), (96, 8)])
 def test_the_micro_batch_follows_the_global_batch_unless_given(global_batch, micro):
     cfg = parse("--global-batch-size", str(global_batch))
     cfg.validate()
     assert cfg.optim.micro_batch_size == micro
     assert parse("--global-batch-size", "24", "--micro-batch-size", "8").optim.micro_batch_size == 8
-    assert TrainConfig().optim.micro_batch_size == 32
+    assert TrainConfig().optim.micro_batch_size == 8
 
 
 def test_a_non_finite_float_flag_is_one_line_and_exit_2(tmp_path):

@@ -70,3 +70,46 @@ def epoch_number(step: int, epoch: int, cursor: int) -> int:
 def share(micro_batches: list[torch.Tensor], rank: int, world_size: int) -> list[torch.Tensor]:
     """The micro-batches that ``rank`` computes: every ``world_size``-th, starting at ``rank``."""
     return micro_batches[rank::world_size]
+
+
+@dataclass(frozen=True)
+class Shares:
+    """How ``world_size`` ranks share a step's micro-batches: each runs ``least`` or ``most``."""
+
+    global_batch_size: int
+    micro_batch_size: int
+    world_size: int
+
+    @property
+    def per_step(self) -> int:
+        return math.ceil(self.global_batch_size / self.micro_batch_size)
+
+    @property
+    def least(self) -> int:
+        return self.per_step // self.world_size
+
+    @property
+    def most(self) -> int:
+        return math.ceil(self.per_step / self.world_size)
+
+    def describe(self) -> str:
+        """One line: the step's micro-batches and every rank's share of them."""
+        each = (f"{self.most} per rank" if self.least == self.most
+                else f"{self.least} or {self.most} per rank")
+        return (f"each step: {self.per_step} micro-batches of {self.micro_batch_size} "
+                f"(--global-batch-size {self.global_batch_size}), {each} at world size "
+                f"{self.world_size}")
+
+    def idle_warning(self) -> str | None:
+        """One line where some ranks have no micro-batch, with the numbers and the flags that
+        give every rank work; None where each has one."""
+        if self.least > 0:
+            return None
+        g, m, w = self.global_batch_size, self.micro_batch_size, self.world_size
+        fits = [d for d in range(1, g // w + 1) if g % d == 0]
+        fix = (f"--micro-batch-size {fits[-1]} or " if fits else "") + \
+            f"--global-batch-size {w * m}"
+        return (f"only {self.per_step} of {w} ranks have work: --global-batch-size {g} in "
+                f"micro-batches of {m} is {self.per_step} per step, and the other "
+                f"{w - self.per_step} run a pass that counts for nothing; {fix} gives every "
+                f"rank one (either changes the optimisation)")
