@@ -101,7 +101,7 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
     log.info("run %s, generation %d: %s on %s", run_id, generation, env.describe(), device)
 
     dataset = prepare_dataset(cfg, env, device)
-    if dataset.is_synthetic and cfg.data.dataset == "mnist":
+    if dataset.is_synthetic and cfg.data.dataset == "mnist" and env.is_main:  # said once
         log.warning("%s", SYNTHETIC_WARNING)
     log.info("data: %s", dataset.describe())
 
@@ -179,7 +179,22 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
     duties.membership.finish()
     duties.membership.release_agents()
     log.info("finished at step %d", step)
+    if env.is_main:
+        log.info("%s", where_it_went(cfg, trainer))
     return 0
+
+
+def where_it_went(cfg: TrainConfig, trainer: Trainer) -> str:
+    """The run's last line: where its checkpoints and logs are, and how to look at them."""
+    manifest = trainer.writers.checkpointer.last_manifest
+    checkpoints = Path(cfg.checkpoint.checkpoint_dir)
+    newest = f" (newest: {manifest.file})" if manifest is not None else ""
+    logdir = cfg.run.logdir
+    view = f"tensorboard --logdir {shlex.quote(logdir)}"
+    if cfg.run.resume_command.startswith("make "):  # launched by the Makefile: its own target
+        view = "make tensorboard" + ("" if logdir == "runs" else f" LOGDIR={shlex.quote(logdir)}")
+    return (f"checkpoints in {checkpoints}/{newest}; TensorBoard events, events.jsonl and "
+            f"train.log in {Path(logdir) / trainer.run_id}/; look at them with: {view}")
 
 
 def start_membership(cfg: TrainConfig, env: DistEnv, device: torch.device,

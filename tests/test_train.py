@@ -38,8 +38,15 @@ def test_two_workers_train_checkpoint_log_and_resume(tiny_digits, reference_run,
     result = evaluate(reference_run / "ckpt")
     assert result["step"] == STEPS and result["accuracy"] > 0.5  # chance is 0.1
     assert result["accuracy"] == pytest.approx(logged["test/accuracy"][-1][1])
-    train_log = (reference_run / "runs" / "reference" / "train.log").read_text()
-    assert train_log.rstrip().endswith(f"finished at step {STEPS}")  # flushed before the exit
+    *_, finished, where = (reference_run / "runs" / "reference" / "train.log").read_text() \
+        .rstrip().splitlines()  # flushed before the exit
+    assert finished.endswith(f"finished at step {STEPS}")
+    assert "each step: 4 micro-batches of 16 (--global-batch-size 64), 2 per rank at world " \
+           "size 2" in (reference_run / "run.log").read_text()
+    assert where.endswith(f"checkpoints in {reference_run / 'ckpt'}/ (newest: "
+                          f"step-{STEPS:08d}.pt); TensorBoard events, events.jsonl and train.log "
+                          f"in {reference_run / 'runs' / 'reference'}/; look at them with: "
+                          f"tensorboard --logdir {reference_run / 'runs'}")
 
     shutil.copytree(reference_run, tmp_path, dirs_exist_ok=True)
     more = run(torchrun_cmd(2, *args_for(tiny_digits, tmp_path, "--epochs", "5",
@@ -105,8 +112,9 @@ def test_synthetic_fallback_is_loud_and_recorded(tiny_digits, tmp_path):
                        "--checkpoint-dir", str(tmp_path / "ckpt"), "--logdir",
                        str(tmp_path / "runs"), "--run-id", "fb"))
     assert done.returncode == 0, done.stdout
-    assert "SYNTHETIC DIGITS, NOT MNIST" in done.stdout
+    assert done.stdout.count("SYNTHETIC DIGITS, NOT MNIST") == 1, done.stdout  # said once
     assert "SYNTHETIC DIGITS, NOT MNIST" in (tmp_path / "runs" / "fb" / "train.log").read_text()
+    assert "synthetic digits stand in for it (put train-images-idx3-ubyte" in done.stdout
 
 
 def test_missing_mnist_without_download_says_what_to_put_where(tmp_path):

@@ -131,12 +131,12 @@ def prepare(data_dir: Path, dataset: str, *, download: bool, synthetic_fallback:
     try:
         ensure_mnist(data_dir, download=download)
         return "mnist"
-    except DataError as e:
+    except DataError:
         if not synthetic_fallback:
             raise
-        log.warning("%s", e)
-        log.warning("%s (generating them under %s)", SYNTHETIC_WARNING,
-                    synthetic_root(data_dir, dataset))
+        log.warning("MNIST not found in %s%s: synthetic digits stand in for it (put %s there "
+                    "to train on MNIST)", raw_dir(data_dir),
+                    " and the download failed" if download else "", ", ".join(ALL_FILES))
         ensure_synthetic(synthetic_root(data_dir, dataset))
         return "synthetic"
 
@@ -170,8 +170,7 @@ def _download(root: Path) -> None:
         for train in (True, False):
             torchvision.datasets.MNIST(str(root), train=train, download=True)
     except Exception as e:  # noqa: BLE001 - torchvision raises RuntimeError, URLError, OSError...
-        first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        log.warning("MNIST download failed: %s", first_line)
+        log.warning("MNIST download failed: %s", " ".join(str(e).split()) or type(e).__name__)
 
 
 def _extract_archives(root: Path) -> None:
@@ -186,6 +185,8 @@ def ensure_synthetic(root: Path) -> None:
     """Generates the default synthetic set into ``root`` unless one is there already."""
     with prepare_lock(root):
         if not is_synthetic_dir(root):
+            log.info("rendering synthetic digits into %s (%s)", raw_dir(root),
+                     ", ".join(f"{k} {v:,}" for k, v in DEFAULT_SYNTHETIC.items()))
             write_synthetic(root, **DEFAULT_SYNTHETIC)
         fingerprint(raw_dir(root), ALL_FILES)  # cached for every rank that loads the files
 
