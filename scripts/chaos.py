@@ -62,6 +62,7 @@ import markers
 import psutil
 from processes import LAUNCHER_VARS, free_port, kill_tree
 
+from elastic_mnist.config import TrainConfig
 from elastic_mnist.events import event_time
 from elastic_mnist.resilience.faults import FAULT_VAR
 
@@ -572,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="the agents' rendezvous: ours, which takes joining nodes and a "
                              "node whose worker died back in process, or torch's (elastic-mnist)")
     parser.add_argument("--global-batch-size", type=int, default=64,
-                        help="samples per step; the data has 20 steps per epoch (64)")
+                        help="samples per step, in micro-batches of 16; the data has 20 steps per "
+                             "epoch. 0: the job's own defaults, no batch flags, and every rank "
+                             "must have samples in every step (64)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data, checkpoints and logs go (default: a temp folder)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
@@ -606,13 +609,15 @@ def main(argv: list[str] | None = None) -> int:
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            **(TORCHRUN_DEFAULTS if args.rdzv_defaults else {})}
     data = workdir / "data"
-    num_train = 20 * args.global_batch_size
+    batch_flags = (["--global-batch-size", str(args.global_batch_size), "--micro-batch-size", "16"]
+                   if args.global_batch_size else [])
+    num_train = 20 * (args.global_batch_size or TrainConfig().optim.global_batch_size)
     subprocess.run([sys.executable, "-m", "elastic_mnist", "synth", "--out", str(data),
                     "--train", str(num_train), "--test", "512", "--seed", str(args.seed)],
                    env=env, check=True, stdout=subprocess.DEVNULL)
     shared = workdir / "shared"
-    train_args = ["--dataset", "synthetic", "--data-dir", str(data), "--global-batch-size",
-                  str(args.global_batch_size), "--micro-batch-size", "16", "--epochs", "1000",
+    train_args = ["--dataset", "synthetic", "--data-dir", str(data), *batch_flags,
+                  "--epochs", "1000",
                   "--max-steps", str(args.steps),
                   "--checkpoint-dir", str(shared / "ckpt"), "--logdir", str(shared / "runs"),
                   "--run-id", "chaos", "--checkpoint-every", str(args.checkpoint_every),
@@ -700,7 +705,8 @@ def main(argv: list[str] | None = None) -> int:
     if not observer.finished():
         failures.append("the job did not finish")
     audit = subprocess.run([sys.executable, str(REPO / "scripts" / "check_audit.py"),
-                            str(observer.run_dir), "--num-samples", str(num_train)],
+                            str(observer.run_dir), "--num-samples", str(num_train),
+                            *([] if args.global_batch_size else ["--every-rank-busy"])],
                            capture_output=True, text=True, env=env, check=False)
     if audit.returncode != 0:
         failures.append(f"sample audit: {audit.stdout.strip() or audit.stderr.strip()}")

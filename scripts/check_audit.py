@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """Checks a run's sample audit: every completed epoch used every sample exactly once.
 
-    scripts/check_audit.py RUN_DIR [--num-samples N]
+    scripts/check_audit.py RUN_DIR [--num-samples N] [--every-rank-busy]
 
 Reads RUN_DIR/audit/g<G>-r<R>.jsonl (written with --audit-samples). For every step it takes the
 records of the newest restart generation that completed it (a record from each of that generation's
 ranks), then checks each epoch whose steps are all present: its indices must be a permutation of
-0..N-1, N taken from --num-samples or from the largest index seen. Exit 0 when all hold, 1 if not,
-2 on bad input.
+0..N-1, N taken from --num-samples or from the largest index seen. With --every-rank-busy, also
+that every rank had samples of its own in every completed step (no rank ran a pass that counts
+for nothing). Exit 0 when all hold, 1 if not, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -53,8 +54,21 @@ def completed_steps(records: dict[int, dict[int, list[dict]]]) -> dict[int, list
     return chosen
 
 
-def check(run_dir: Path, num_samples: int | None = None) -> list[str]:
-    """Problems found, as sentences; empty when every completed epoch is exact."""
+def idle_ranks(steps: dict[int, list[dict]]) -> list[str]:
+    """The completed steps in which some rank had no sample, as sentences."""
+    problems = []
+    for step, recs in sorted(steps.items()):
+        idle = sorted(r["rank"] for r in recs if not r["indices"])
+        if idle:
+            problems.append(f"step {step}: ranks {idle[:8]} of {recs[0]['world_size']} had no "
+                            f"sample")
+    return problems
+
+
+def check(run_dir: Path, num_samples: int | None = None,
+          every_rank_busy: bool = False) -> list[str]:
+    """Problems found, as sentences; empty when every completed epoch is exact (and, if asked,
+    every rank of every completed step had samples)."""
     steps = completed_steps(load_records(run_dir))
     by_epoch: dict[int, list[int]] = defaultdict(list)
     for step in sorted(steps):
@@ -78,6 +92,8 @@ def check(run_dir: Path, num_samples: int | None = None) -> list[str]:
             problems.append(f"epoch {epoch}: steps {gaps[:5]} were never completed")
     if checked == 0:
         problems.append("no completed epoch to check")
+    if every_rank_busy:
+        problems += idle_ranks(steps)[:5]
     return problems
 
 
@@ -85,16 +101,19 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--num-samples", type=int, default=None)
+    parser.add_argument("--every-rank-busy", action="store_true",
+                        help="also fail where a rank had no sample in a completed step")
     args = parser.parse_args(argv)
     try:
-        problems = check(args.run_dir, args.num_samples)
+        problems = check(args.run_dir, args.num_samples, args.every_rank_busy)
     except (OSError, ValueError, KeyError) as e:
         print(f"check_audit: error: {e}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"FAIL {problem}")
     if not problems:
-        print("OK: every completed epoch used every sample exactly once")
+        print("OK: every completed epoch used every sample exactly once"
+              + (", and every rank had samples in every step" if args.every_rank_busy else ""))
     return 1 if problems else 0
 
 

@@ -64,3 +64,25 @@ def test_flags_that_leave_ranks_idle_are_said_with_the_numbers_and_the_flags_to_
                                              "(--global-batch-size 768), 4 per rank at world "
                                              "size 24")
     assert Shares(100, 8, 4).describe().endswith("3 or 4 per rank at world size 4")
+
+
+def test_the_audit_names_the_steps_in_which_a_rank_had_no_sample(tmp_path, capsys):
+    """make chaos32 runs the card's shape with the default flags and fails where a rank of a
+    completed step ran a pass that counts for nothing (scripts/check_audit.py
+    --every-rank-busy)."""
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from check_audit import main as check_audit
+
+    audit = tmp_path / "audit"
+    audit.mkdir()
+    for rank, steps in ((0, ([0, 1], [2])), (1, ([3], []))):
+        (audit / f"g0-r{rank}.jsonl").write_text("".join(
+            json.dumps({"step": step, "epoch": 0, "rank": rank, "world_size": 2,
+                        "indices": indices}) + "\n" for step, indices in enumerate(steps, 1)))
+    assert check_audit([str(tmp_path), "--num-samples", "4"]) == 0
+    assert check_audit([str(tmp_path), "--num-samples", "4", "--every-rank-busy"]) == 1
+    assert "FAIL step 2: ranks [1] of 2 had no sample" in capsys.readouterr().out
