@@ -22,9 +22,9 @@ from elastic_mnist.logs import add_file_handler, setup_logging
 from elastic_mnist.metrics import NullMetrics, TensorBoardMetrics
 from elastic_mnist.progress import progress_display
 from elastic_mnist.resilience.agreement import Change
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.fence import NullFence
-from elastic_mnist.resilience.membership import NullMembership
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
 from elastic_mnist.state import Progress
 from elastic_mnist.writers import Writers

@@ -57,10 +57,11 @@ from elastic_mnist.errors import (
 )
 from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import flat_hparams
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.fence import Fence
 from elastic_mnist.resilience.lease import LeaseHold
-from elastic_mnist.resilience.membership import PREFIX, Membership, NullMembership
+from elastic_mnist.resilience.membership import PREFIX, Membership
 from elastic_mnist.resilience.preemption import StopRequest, stop_on_signals
 from elastic_mnist.resilience.roster import START_UP_S, JobRecord, Roster
 from elastic_mnist.resilience.torchrun_agents import agents_for

@@ -43,7 +43,7 @@ from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.regroup import Regroup
 from elastic_mnist.report import Report
 from elastic_mnist.resilience.agreement import Change
-from elastic_mnist.resilience.membership import NullMembership
+from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.preemption import StopRequest
 from elastic_mnist.state import Progress
 from elastic_mnist.step_result import StepResult
