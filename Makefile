@@ -15,9 +15,9 @@ CHURN_ARGS     ?=
 SCALE_ARGS     ?=
 
 .PHONY: install train test test-fast test-torch211 tensorboard chaos chaos32 churn scale recovery-soak \
-	lint clean bench slurm-check
+	lint clean bench slurm-check help
 
-install: $(STAMP)
+install: $(STAMP)  ## create .venv (torch, this package, test tools): every target does it first
 
 # pip byte-compiles what it installs one file at a time (torch is most of 2 minutes' install);
 # compileall does it on every core. Only an optimisation: a file it cannot compile (torch ships
@@ -31,7 +31,7 @@ $(STAMP): pyproject.toml constraints.txt
 # Ctrl-C: jobs/local.sh stops the workers at one step with a checkpoint, and rank 0 says how to
 # resume, in one line. exec (no shell between make and the script, which SIGINT would kill) and
 # INTERRUPT_STATUS=0 keep make's own error line out: make then ends by the SIGINT it got itself.
-train: $(STAMP)
+train: $(STAMP)  ## train here: a worker per GPU, or 2 on CPU (TRAIN_ARGS="--epochs 5")
 	PATH=$(abspath $(BIN)):$$PATH INTERRUPT_STATUS=0 \
 		RESUME_COMMAND='$(subst ','\'',make train $(MAKEOVERRIDES))' \
 		exec jobs/local.sh --data-dir $(DATA_DIR) --synthetic-fallback \
@@ -45,11 +45,11 @@ train: $(STAMP)
 # the suite's few hundred processes would compile them again.
 TEST_WORKERS ?= 2
 COMPILE_OURS := $(BIN)/python -m compileall -q -j 0 elastic_mnist scripts tests > /dev/null
-test: $(STAMP)
+test: $(STAMP)  ## the whole suite, in TEST_WORKERS (2) processes
 	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-test-fast: $(STAMP)
+test-fast: $(STAMP)  ## the suite without the tests marked slow (those that launch torchrun)
 	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 
@@ -68,7 +68,7 @@ $(STAMP211): pyproject.toml
 	$(VENV211)/bin/pip install --quiet --no-compile -e '.[test]' torch==2.11.0 torchvision==0.26.0
 	touch $(STAMP211)
 
-test-torch211: $(STAMP211)
+test-torch211: $(STAMP211)  ## the one-node tests on torch 2.11 and Python 3.12 (.venv-torch211)
 	$(VENV211)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist loadgroup \
 		-m "not slow" tests/
 	$(VENV211)/bin/python -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
@@ -78,12 +78,12 @@ test-torch211: $(STAMP211)
 # make tensorboard listens on localhost (the logs hold command lines and paths); HOST=0.0.0.0
 # opens it to the network. Taken from make's command line only, never from a shell's own HOST.
 HOST = localhost
-tensorboard: $(STAMP)
+tensorboard: $(STAMP)  ## TensorBoard on runs/ at localhost:6006 (LOGDIR=, PORT=, HOST=)
 	$(BIN)/tensorboard --logdir $(LOGDIR) --port $(PORT) --host $(HOST)
 
 # Simulated nodes on loopback, one fault of each kind at random steps (CHAOS_ARGS="--seed 3
 # --faults 9" for others).
-chaos: $(STAMP)
+chaos: $(STAMP)  ## simulated nodes on loopback, a fault of each kind, a verdict
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 # The card's shape on this machine: 4 nodes of 8 workers with the job's default batch flags (every
@@ -91,7 +91,7 @@ chaos: $(STAMP)
 # cores). The README's plain torchrun line instead of jobs/node.sh, as it is run:
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 make chaos32 CHAOS_ARGS="--launch torchrun";
 # CHAOS_ARGS="--readme-section chaos32" writes its timings into docs/launching.md.
-chaos32: $(STAMP)
+chaos32: $(STAMP)  ## the card's shape, 4 nodes × 8 workers: a node lost, one joining
 	$(BIN)/python scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \
 		--schedule 10:kill-node:3,40:join --global-batch-size 0 --steps 200 --no-reference \
 		$(CHAOS_ARGS)
@@ -101,7 +101,7 @@ chaos32: $(STAMP)
 # nodes, whether any healthy process restarted, and the effective training time (about 13 minutes
 # in all with the fault-free calibration). CHURN_ARGS="--readme-section churn --plot docs/churn.png"
 # writes the table and the plot into docs/recovery.md.
-churn: $(STAMP)
+churn: $(STAMP)  ## 3 nodes × 2 workers, a fault every 20-30 s for 10 minutes
 	$(BIN)/python scripts/churn.py $(CHURN_ARGS)
 
 # The card's shape's node loss again and again: 4 nodes of 8 workers, a node SIGKILLed, REPEATS
@@ -111,16 +111,16 @@ SOAK    ?= kill-32
 REPEATS ?= 10
 # The coordination store's traffic, simulated for 8 to 8,000 ranks without training (docs/recovery.md,
 # "Coordination at scale"). SCALE_ARGS="--readme-section scale --json bench/scale.json" writes it.
-scale: $(STAMP)
+scale: $(STAMP)  ## the coordination store's traffic, simulated for 8 to 8,000 ranks
 	$(BIN)/python scripts/scale.py $(SCALE_ARGS)
 
-recovery-soak: $(STAMP)
+recovery-soak: $(STAMP)  ## the card's shape's node loss, REPEATS (10) times
 	$(BIN)/python scripts/recovery.py --soak $(SOAK) --repeats $(REPEATS)
 
 # make bench: every contender on this machine (scripts/bench.py), then docs/performance.md's table
 # (BENCH_ARGS="--real-data DIR" adds the real digits' rows).
 BENCH_ARGS ?=
-bench: $(STAMP)
+bench: $(STAMP)  ## every contender on this machine, then docs/performance.md's table
 	$(BIN)/python scripts/bench.py $(BENCH_ARGS)
 	$(BIN)/python scripts/bench.py --update-readme
 
@@ -128,11 +128,17 @@ bench: $(STAMP)
 # apt when missing): submitted, preempted, requeued, resumed at the step it stopped, finished;
 # prints the timings (about a minute). SLURM_CHECK_ARGS="--steps 1000 --preempt-after 500".
 SLURM_CHECK_ARGS ?=
-slurm-check: $(STAMP)
+slurm-check: $(STAMP)  ## jobs/slurm.sbatch on a one-node SLURM here: preempted, requeued
 	scripts/slurm_local.sh $(BIN)/python scripts/slurm_check.py $(SLURM_CHECK_ARGS)
 
-lint: $(STAMP)
+lint: $(STAMP)  ## ruff over elastic_mnist, scripts and tests
 	$(BIN)/ruff check elastic_mnist scripts tests
 
-clean:
+clean:  ## remove .venv, .venv-torch211 and the build's leftovers
 	rm -rf $(VENV) $(VENV211) build *.egg-info
+
+# make help: every target in one line, from the `## ` comment on its rule's line.
+help:  ## this list
+	@echo 'make TARGET [VAR=value ...]; `make` alone is `make install`. Targets:'
+	@sed -n 's/^\([a-z0-9-]*\):.*## \(.*\)$$/\1|\2/p' $(firstword $(MAKEFILE_LIST)) | \
+		awk -F'|' '{ printf "  %-15s %s\n", $$1, $$2 }'
