@@ -26,8 +26,9 @@ import pytest
 import yaml
 from launch import REPO, clean_env, kill_tree
 
+from elastic_mnist.cli import build_parser
 from elastic_mnist.errors import RendezvousError
-from elastic_mnist.rendezvous import DEFAULT_PORT, add_arguments, serve
+from elastic_mnist.rendezvous import DEFAULT_PORT, add_arguments, agents_line, serve
 
 JOBS = REPO / "jobs"
 NODE_SH = JOBS / "node.sh"
@@ -663,9 +664,11 @@ def store_process():
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        found = re.fullmatch(r"rendezvous store listening on 127\.0\.0\.1:(\d+) \(127\.0\.0\.1\)\n",
-                             line)
-        assert found, line + proc.stdout.read()
+        found = re.match(r"rendezvous store listening on 127\.0\.0\.1:(\d+) \(127\.0\.0\.1\); "
+                         r"127\.0\.0\.1 is this machine alone: ", line)
+        if not found:
+            kill_tree(proc.pid)
+            pytest.fail(line + proc.stdout.read())
         yield proc, int(found.group(1))
     finally:
         kill_tree(proc.pid)
@@ -698,9 +701,40 @@ def test_rendezvous_refuses_a_port_that_is_no_port():
         serve("127.0.0.1", 70000)
 
 
+def test_rendezvous_refuses_a_host_that_does_not_resolve_in_one_line():
+    with pytest.raises(RendezvousError) as caught:
+        serve("no-such-host.invalid", 0)
+    assert str(caught.value).startswith("--host no-such-host.invalid does not resolve on this ")
+    assert "\n" not in str(caught.value)
+
+
 def test_rendezvous_arguments():
+    """By default the store answers at this machine's host name, which the other machines reach
+    (not localhost, this machine alone)."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert vars(parser.parse_args([])) == {"host": "localhost", "port": DEFAULT_PORT}
+    assert vars(parser.parse_args([])) == {"host": socket.gethostname(), "port": DEFAULT_PORT}
     assert vars(parser.parse_args(["--host", "store.internal", "--port", "0"])) == \
         {"host": "store.internal", "port": 0}
+
+
+def test_rendezvous_help_prints_every_default(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rendezvous", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"(default: this machine's host name, {socket.gethostname()})" in shown
+    assert f"(default: {DEFAULT_PORT}, torchrun's)" in shown
+
+
+@pytest.mark.parametrize(("host", "says"), [
+    ("store.internal", ("agents: RDZV_STORE=external RDZV_ENDPOINT=store.internal:29400 "
+                        "(jobs/node.sh), or torchrun --rdzv_endpoint=store.internal:29400 "
+                        "--rdzv_conf=is_host=false")),
+    ("fd00::1", "RDZV_ENDPOINT=[fd00::1]:29400 "),
+    ("0.0.0.0", f"RDZV_ENDPOINT=<this machine's name or address, e.g. {socket.gethostname()}>:"),
+    ("localhost", ("localhost is this machine alone: agents on other machines cannot reach it; "
+                   "for them pass --host with this machine's name or address")),
+    ("::1", "::1 is this machine alone"),
+])
+def test_rendezvous_start_up_line_tells_what_the_agents_need(host, says):
+    assert says in agents_line(host, 29400)

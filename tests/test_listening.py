@@ -18,6 +18,8 @@ import sys
 import pytest
 from launch import REPO, clean_env, kill_tree, listening
 
+from elastic_mnist.stores import listen_address
+
 PAGE = REPO / "docs" / "operations.md"
 EVERY_INTERFACE = ("::", "0.0.0.0")
 
@@ -121,15 +123,25 @@ def test_a_plain_torchrun_job_listens_as_the_readme_says(killed_run):
     check_launch(launch, {"rendezvous": 1, "agent-store": 1, "group-store": 1, "gloo": 2})
 
 
-def test_the_external_rendezvous_store_listens_on_its_host_alone():
-    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "rendezvous", "--host",
-                             "localhost", "--port", "0"], cwd=REPO, env=clean_env(),
+@pytest.mark.parametrize("host", ["localhost", None], ids=["localhost", "default"])
+def test_the_external_rendezvous_store_listens_on_its_host_alone(host):
+    """`--host localhost`: this machine alone. By default this machine's host name, which the
+    agents on other machines reach: the address it resolves to, or every interface where that is
+    a loopback address (Debian's hosts file)."""
+    given = [] if host is None else ["--host", host]
+    host = host or socket.gethostname()
+    proc = subprocess.Popen([sys.executable, "-m", "elastic_mnist", "rendezvous", *given,
+                             "--port", "0"], cwd=REPO, env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         line = proc.stdout.readline()
-        assert "rendezvous store listening on localhost:" in line, line + proc.stdout.read()
+        if f"rendezvous store listening on {host}:" not in line:
+            kill_tree(proc.pid)
+            pytest.fail(line + proc.stdout.read())
         sockets = listening(proc.pid)["processes"][0]["sockets"]
     finally:
         kill_tree(proc.pid)
     assert readme_table()["external-rendezvous"]["address"] == "--host"
-    assert [ip for ip, _ in sockets] == [resolved("localhost")]
+    address = listen_address(host, peers_local=False)[1]
+    (ip, _), = sockets
+    assert ip == address or (not address and ip in EVERY_INTERFACE), (ip, address)
