@@ -33,6 +33,7 @@ from elastic_mnist.rendezvous import DEFAULT_PORT, add_arguments, agents_line, s
 JOBS = REPO / "jobs"
 NODE_SH = JOBS / "node.sh"
 SBATCH = JOBS / "slurm.sbatch"
+SBATCH_JOIN = JOBS / "slurm_join.sbatch"
 MANIFEST = JOBS / "kubernetes" / "pytorchjob.yaml"
 CRD = Path(__file__).resolve().parents[2] / "shared" / "k8s" / "kubeflow.org_pytorchjobs.yaml"
 
@@ -318,10 +319,10 @@ def test_shell_scripts_parse(script):
 # jobs/slurm.sbatch
 
 
-def sbatch_directives() -> list[str]:
+def sbatch_directives(script: Path = SBATCH) -> list[str]:
     """The options of the #SBATCH lines that SLURM reads: those before the first command."""
     directives = []
-    for line in SBATCH.read_text().splitlines()[1:]:
+    for line in script.read_text().splitlines()[1:]:
         if line.startswith("#SBATCH"):
             directives += line.split()[1:]
         elif line.strip() and not line.startswith("#"):
@@ -329,32 +330,26 @@ def sbatch_directives() -> list[str]:
     return directives
 
 
-def test_sbatch_asks_for_four_nodes_of_eight_gpus_and_a_warning():
-    directives = sbatch_directives()
-    for expected in ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8",
-                     "--signal=B:TERM@120", "--requeue", "--open-mode=append"):
-        assert expected in directives, directives
+@pytest.mark.parametrize(("script", "expected"), [
+    (SBATCH, ("--nodes=4", "--ntasks-per-node=1", "--gpus-per-node=8", "--signal=B:TERM@120",
+              "--requeue", "--no-kill", "--open-mode=append")),
+    (SBATCH_JOIN, ("--nodes=1", "--ntasks-per-node=1", "--gpus-per-node=8", "--open-mode=append")),
+], ids=lambda x: getattr(x, "name", None))
+def test_sbatch_asks_for_nodes_of_eight_gpus(script, expected):
+    """The job: 4 nodes, a warning before the time limit, kept when a node fails (--no-kill);
+    a joiner: one node of the same shape."""
+    directives = sbatch_directives(script)
+    for option in expected:
+        assert option in directives, directives
     assert len({d.split("=")[0] for d in directives}) == len(directives), "an option twice"
-    assert SBATCH.read_text().count("#SBATCH") == len(directives), "an #SBATCH after a command"
-
-
-def test_sbatch_runs_node_sh_with_the_head_node_as_endpoint():
-    text = SBATCH.read_text().replace("\\\n", " ")
-    assert re.search(r'^nodes=\$\(scontrol show hostnames "\$SLURM_JOB_NODELIST"\)$', text,
-                     re.MULTILINE)
-    assert re.search(r"^export .*RDZV_ENDPOINT=\$head:\$port\b", text, re.MULTILINE)
-    assert re.search(r"^export .*RUN_ID=\$SLURM_JOB_ID\b", text, re.MULTILINE)
-    srun = re.search(r"^srun .*$", text, re.MULTILINE)
-    assert srun and " jobs/node.sh " in srun.group(0)
-    for flag in ("--checkpoint-dir", "--logdir", "--data-dir"):
-        assert re.search(rf'{flag} "\$(CHECKPOINT_DIR|LOGDIR|DATA_DIR)"', srun.group(0)), flag
-    assert re.search(r"^CHECKPOINT_DIR=\$SHARED/", text, re.MULTILINE)
+    assert script.read_text().count("#SBATCH") == len(directives), "an #SBATCH after a command"
 
 
 FAKE_SRUN = """\
 #!/usr/bin/env bash
 # srun on one node: runs the task, and like the real srun answers SIGTERM with SIGKILL to it.
-while [[ $1 == -* ]]; do shift; done
+# Its own options go to $FAKE_SRUN_OPTIONS, one a line.
+while [[ $1 == -* ]]; do echo "$1" >> "$FAKE_SRUN_OPTIONS"; shift; done
 "$@" &
 task=$!
 echo "$task" > "$FAKE_SLURM_TASKS"
@@ -393,16 +388,21 @@ def slurm(tmp_path):
     fake = tmp_path / "fake_torchrun.py"
     fake.write_text(FAKE_TORCHRUN)
 
-    def start(launcher_exit: str, job_id: str = "42") -> subprocess.Popen:
-        env = node_env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
-                       TORCHRUN=f"{sys.executable} {fake}", NPROC_PER_NODE="8",
-                       FAKE_TORCHRUN_OUT=str(tmp_path / "rec"), FAKE_TORCHRUN_EXIT=launcher_exit,
-                       FAKE_SLURM_LOG=str(tmp_path / "slurm.log"),
-                       FAKE_SLURM_TASKS=str(tmp_path / "tasks"), SHARED=str(tmp_path / "shared"),
-                       SLURM_JOB_ID=job_id, SLURM_JOB_NODELIST="node-[a-d]",
-                       SLURM_JOB_NUM_NODES="4", SLURM_SUBMIT_DIR=str(REPO),
-                       RDZV_PRECHECK="0")  # there is no node-a to answer
-        return subprocess.Popen(["bash", str(SBATCH), "--epochs", "3"], cwd=tmp_path, env=env,
+    def start(launcher_exit: str, job_id: str = "42", script: Path = SBATCH,
+              args: tuple[str, ...] = ("--epochs", "3"), **extra: str) -> subprocess.Popen:
+        env = node_env(**{"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+                          "TORCHRUN": f"{sys.executable} {fake}", "NPROC_PER_NODE": "8",
+                          "FAKE_TORCHRUN_OUT": str(tmp_path / "rec"),
+                          "FAKE_TORCHRUN_EXIT": launcher_exit,
+                          "FAKE_SLURM_LOG": str(tmp_path / "slurm.log"),
+                          "FAKE_SLURM_TASKS": str(tmp_path / "tasks"),
+                          "FAKE_SRUN_OPTIONS": str(tmp_path / "srun"),
+                          "SHARED": str(tmp_path / "shared"), "SLURM_JOB_ID": job_id,
+                          "SLURM_JOB_NODELIST": "node-[a-d]", "SLURM_JOB_NUM_NODES": "4",
+                          "SLURM_SUBMIT_DIR": str(REPO),
+                          "RDZV_PRECHECK": "0",  # there is no node-a to answer
+                          **extra})
+        return subprocess.Popen(["bash", str(script), *args], cwd=tmp_path, env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     return start
@@ -426,20 +426,94 @@ def slurm_calls(tmp_path: Path) -> list[str]:
     return log.read_text().splitlines() if log.exists() else []
 
 
-def test_sbatch_launches_every_node_alike(slurm, tmp_path):
+def test_sbatch_launches_every_node_alike_and_elastic(slurm, tmp_path):
+    """Every node the same torchrun line, elastic from 1 node to the allocation's 4; srun keeps
+    the healthy nodes' tasks when a node fails or an agent gives up."""
     proc = slurm("0")
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 0, out
     options, train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
-    assert options["nnodes"] == "4"
+    assert options["nnodes"] == "1:4"
     assert options["rdzv_endpoint"] == "node-a:29442"  # 29400 + the job id (mod 1000)
-    assert "job 42: rendezvous at node-a:29442" in out
+    assert "job 42: rendezvous at node-a:29442 (store: agent), 1:4 nodes" in out
     assert options["rdzv_id"] == "42"
+    assert "is_host" not in conf_of(options)  # the agent on node-a serves the store
     shared = tmp_path / "shared"
     assert train == ["--data-dir", f"{shared}/data", "--checkpoint-dir", f"{shared}/checkpoints",
                      "--logdir", f"{shared}/runs", "--epochs", "3"]
     assert (shared / "checkpoints").is_dir()
     assert slurm_calls(tmp_path) == []
+    srun = (tmp_path / "srun").read_text().split()
+    assert {"--no-kill", "--kill-on-bad-exit=0", "--wait=0"} <= set(srun), srun
+
+
+def test_sbatch_minimum_of_nodes(slurm, tmp_path):
+    proc = slurm("0", MIN_NODES="3")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert launch_of(launched(tmp_path, proc)["argv"], launcher=[])[0]["nnodes"] == "3:4"
+
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"MIN_NODES": "5"}, "MIN_NODES"), ({"MIN_NODES": "0"}, "MIN_NODES"),
+    ({"MIN_NODES": "two"}, "MIN_NODES"), ({"RDZV_STORE": "external"}, "RDZV_ENDPOINT"),
+])
+def test_sbatch_refuses_what_cannot_run_in_one_line(slurm, tmp_path, env, named):
+    proc = slurm("0", **env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2, out
+    assert len(out.splitlines()) == 1 and out.startswith("jobs/slurm.sbatch: "), out
+    assert named in out
+    assert not (tmp_path / "rec").exists()
+
+
+@pytest.mark.parametrize("store", ["external", "agent"])
+def test_sbatch_honours_the_endpoint_it_is_given(slurm, tmp_path, store):
+    """RDZV_ENDPOINT as the user gives it: an `elastic-mnist rendezvous` outside the job (no
+    agent serves a store), or another node's agent."""
+    proc = slurm("0", RDZV_STORE=store, RDZV_ENDPOINT="store.internal:29400")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    options, _ = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
+    assert options["rdzv_endpoint"] == "store.internal:29400"
+    assert options["nnodes"] == "1:4"
+    assert conf_of(options).get("is_host") == ("false" if store == "external" else None)
+    assert f"rendezvous at store.internal:29400 (store: {store})" in out
+
+
+@pytest.mark.parametrize(("env", "endpoint"), [
+    ({}, "node-a:29442"),
+    ({"RDZV_STORE": "external", "RDZV_ENDPOINT": "store.internal:29400"}, "store.internal:29400"),
+], ids=["agent", "external"])
+def test_a_node_joins_the_running_job_from_the_shared_folder(slurm, tmp_path, env, endpoint):
+    """jobs/slurm_join.sbatch JOBID, in a one-node job of its own: the job's rendezvous, sizes,
+    node.sh variables and training arguments, as the job wrote them into the shared folder; it
+    never serves the store."""
+    proc = slurm("0", MAX_RESTARTS="5", **env)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    job_options, job_train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
+    (tmp_path / "rec").unlink()
+
+    joiner = slurm("0", job_id="77", script=SBATCH_JOIN, args=("42",), SLURM_JOB_NUM_NODES="1",
+                   SLURM_JOB_NODELIST="node-e", NPROC_PER_NODE="", MAX_RESTARTS="")
+    out, _ = joiner.communicate(timeout=30)
+    assert joiner.returncode == 0, out
+    assert f"job 77: joining job 42 at {endpoint}" in out
+    record = launched(tmp_path, joiner)
+    options, train = launch_of(record["argv"], launcher=[])
+    assert train == job_train
+    assert options["rdzv_endpoint"] == endpoint and options["rdzv_id"] == "42"
+    assert {**options, "rdzv_conf": ""} == {**job_options, "rdzv_conf": ""}  # 1:4, 8, 5, ...
+    assert conf_of(options) == {**MEASURED_CONF, "is_host": "false"}
+
+
+@pytest.mark.parametrize("args", [(), ("x",), ("43",), ("42", "--epochs", "9")])
+def test_a_joiner_without_a_job_to_join_says_so_in_one_line(slurm, tmp_path, args):
+    proc = slurm("0", script=SBATCH_JOIN, args=args)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 2, out
+    assert len(out.splitlines()) == 1 and out.startswith("jobs/slurm_join.sbatch: "), out
 
 
 def test_sbatch_gives_jobs_that_share_a_first_node_their_own_rendezvous_ports(slurm, tmp_path):
