@@ -567,13 +567,14 @@ def pytorch_container(job: dict) -> dict:
 
 def test_pytorchjob_is_elastic_with_a_shared_volume():
     docs = manifests()
-    assert sorted(docs) == ["PersistentVolumeClaim", "PyTorchJob"]
+    assert sorted(docs) == ["Deployment", "PersistentVolumeClaim", "PyTorchJob", "Service"]
     job = docs["PyTorchJob"]
     assert job["apiVersion"] == "kubeflow.org/v1"
     policy = job["spec"]["elasticPolicy"]
     assert {k: policy[k] for k in ("minReplicas", "maxReplicas", "rdzvBackend", "maxRestarts")} \
         == {"minReplicas": 1, "maxReplicas": 4, "rdzvBackend": "elastic-mnist", "maxRestarts": 3}
-    assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == MEASURED_CONF
+    assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == {**MEASURED_CONF,
+                                                                  "is_host": "false"}
     worker = job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert policy["minReplicas"] <= worker["replicas"] <= policy["maxReplicas"]
     assert worker["restartPolicy"] == "OnFailure"
@@ -599,13 +600,101 @@ def test_pytorchjob_is_elastic_with_a_shared_volume():
 
 
 def test_pytorchjob_matches_node_sh():
-    """The manifest and node.sh launch with the same measured rendezvous settings."""
-    options, _ = planned(NNODES="1:4", RDZV_ENDPOINT="h:29400")
+    """The manifest and node.sh (with the store outside every node) launch with the same
+    measured rendezvous settings."""
+    options, _ = planned(NNODES="1:4", RDZV_ENDPOINT="h:29400", RDZV_STORE="external")
     policy = manifests()["PyTorchJob"]["spec"]["elasticPolicy"]
     assert {c["key"]: c["value"] for c in policy["rdzvConf"]} == conf_of(options)
     container_options, _ = launch_of(pytorch_container(manifests()["PyTorchJob"])["command"],
                                      launcher=["python", "-m", "torch.distributed.run"])
     assert container_options["monitor_interval"] == options["monitor_interval"]
+
+
+def operator_env(job: dict) -> dict[str, str]:
+    """The PET_* variables the training operator v1.9 gives each worker pod of ``job``, as its
+    pkg/controller.v1/pytorch/elastic.go and envvar.go build them."""
+    policy, spec = job["spec"]["elasticPolicy"], job["spec"]
+    host = policy.get("rdzvHost", f"{job['metadata']['name']}-worker-0")
+    port = policy.get("rdzvPort") or next(
+        p["containerPort"] for p in pytorch_container(job).get("ports", ())
+        if p["name"] == "pytorchjob-port")
+    return {"PET_RDZV_ENDPOINT": f"{host}:{port}",
+            "PET_RDZV_BACKEND": policy.get("rdzvBackend", "c10d"),
+            "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
+            "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
+            "PET_NPROC_PER_NODE": spec["nprocPerNode"],
+            "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])}
+
+
+def test_pytorchjob_workers_meet_at_the_store_outside_them(monkeypatch):
+    """What torchrun makes of the container's command line and the operator's PET_* variables:
+    every agent at the store's Service, none serving it, and `elastic-mnist train` parsing its
+    arguments."""
+    from torch.distributed.run import get_args_parser
+
+    job = manifests()["PyTorchJob"]
+    for name, value in operator_env(job).items():
+        monkeypatch.setenv(name, value)  # torchrun reads them as it builds its parser
+    container = pytorch_container(job)
+    assert container["command"][:3] == ["python", "-m", "torch.distributed.run"]
+    args = get_args_parser().parse_args(container["command"][3:] + container["args"])
+    service = manifests()["Service"]
+    assert args.rdzv_endpoint == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
+    assert args.rdzv_backend == "elastic-mnist" and args.nnodes == "1:4"
+    assert dict(item.split("=", 1) for item in args.rdzv_conf.split(","))["is_host"] == "false"
+    assert args.nproc_per_node == "8" and args.monitor_interval == 0.5 and args.max_restarts == 3
+    assert args.module and args.training_script == "elastic_mnist"
+    train = build_parser().parse_args(args.training_script_args)
+    assert (train.command, train.checkpoint_dir) == ("train", "/shared/ckpt")
+
+
+def store_deployment() -> tuple[dict, dict]:
+    """The store's Deployment and its one container."""
+    deployment = manifests()["Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    return deployment, container
+
+
+def test_the_store_runs_once_where_its_service_sends_the_agents():
+    deployment, container = store_deployment()
+    service, job = manifests()["Service"], manifests()["PyTorchJob"]
+    assert deployment["apiVersion"] == "apps/v1" and service["apiVersion"] == "v1"
+    # One store, never two at once (a rolling update would run the new beside the old).
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"] == {"type": "Recreate"}
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    worker_labels = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"].get(
+        "metadata", {}).get("labels", {})
+    assert not service["spec"]["selector"].items() <= worker_labels.items()
+
+    # The command is our CLI's: the store on every interface of its pod, at its port.
+    assert container["command"][:3] == ["python", "-m", "elastic_mnist"]
+    args = build_parser().parse_args(container["command"][3:] + container.get("args", []))
+    assert (args.command, args.host) == ("rendezvous", "0.0.0.0")
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"rendezvous": args.port}
+    (service_port,) = service["spec"]["ports"]
+    assert service_port["targetPort"] in (args.port, *ports)
+    assert container["readinessProbe"]["tcpSocket"]["port"] in (args.port, *ports)
+    assert "nvidia.com/gpu" not in str(container.get("resources"))
+
+    # The PyTorchJob's agents are sent to the Service.
+    policy = job["spec"]["elasticPolicy"]
+    assert (policy["rdzvHost"], policy["rdzvPort"]) == (service["metadata"]["name"],
+                                                        service_port["port"])
+
+
+@pytest.mark.parametrize("command", [
+    ["python", "-m", "elastic_mnist", "rendezvous", "--hots", "0.0.0.0"],
+    ["python", "-m", "elastic_mnist", "rendezvous", "--port", "twenty"],
+    ["python", "-m", "elastic_mnist", "rendevous"],
+])
+def test_a_wrong_flag_in_the_store_command_fails_the_parse(command):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(command[3:])
+    assert caught.value.code == 2
 
 
 _JSON_TYPES = {"object": dict, "array": list, "string": str, "boolean": bool}
@@ -668,6 +757,19 @@ def crd_schema() -> dict:
 
 def test_pytorchjob_validates_strictly_against_the_crd(crd_schema):
     assert schema_errors(manifests()["PyTorchJob"], crd_schema) == []
+
+
+def test_the_store_pod_validates_strictly_against_the_pod_template_schema(crd_schema):
+    """The store's pod template is a core/v1 PodTemplateSpec, whose schema the CRD carries for
+    the workers' pods."""
+    replica = crd_schema["properties"]["spec"]["properties"]["pytorchReplicaSpecs"]
+    template = replica["additionalProperties"]["properties"]["template"]
+    deployment, _ = store_deployment()
+    assert schema_errors(deployment["spec"]["template"], template) == []
+    misspelt = copy.deepcopy(deployment["spec"]["template"])
+    misspelt["spec"]["containers"][0]["readinessprobe"] = {}
+    assert schema_errors(misspelt, template) == [
+        ".spec.containers[0].readinessprobe: unknown field"]
 
 
 def _misspell(job):
