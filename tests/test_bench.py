@@ -204,8 +204,8 @@ def test_the_compiled_contenders_with_and_without_accumulation(tmp_path, monkeyp
 
 def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, monkeypatch):
     """scripts/recovery.py --only: the chaos runs of the scenarios named (faked here), the rows of
-    the others as measured before, in the scenarios' order, into bench/recovery.json and the
-    README's table."""
+    the others as measured before, in the scenarios' order, into bench/recovery.json, the
+    README's table (medians, six columns) and docs/recovery.md's (every figure)."""
     import os
     import platform
 
@@ -221,6 +221,9 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
         "machine": platform.machine(), "cores": len(os.sched_getaffinity(0)), "repeats": 1,
         "runs": {"sigterm": {"in-process": [fault(1.2, 0)], "restart": [fault(9.0, 10)]}}}))
     (tmp_path / "README.md").write_text("a\n<!-- recovery:begin -->\nold\n<!-- recovery:end -->\nb\n")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "recovery.md").write_text(
+        "c\n<!-- recovery-detail:begin -->\nold\n<!-- recovery-detail:end -->\nd\n")
     measured = []
 
     def measure(flags, mode, workdir):
@@ -232,20 +235,35 @@ def test_recovery_remeasures_the_rows_asked_for_and_keeps_the_others(tmp_path, m
     monkeypatch.setattr(recovery, "measure", measure)
     assert recovery.main(["--only", "kill-torchrun", "--repeats", "1", "--update-readme"]) == 0
     assert [mode for _, mode in measured] == ["in-process", "restart"]
-    assert measured[0][0] == recovery.SCENARIOS["kill-torchrun"][1]
+    assert measured[0][0] == recovery.SCENARIOS["kill-torchrun"].flags
     runs = json.loads((tmp_path / "bench" / "recovery.json").read_text())["runs"]
     assert list(runs) == ["kill-torchrun", "sigterm"]
-    readme = (tmp_path / "README.md").read_text()
+
+    def rows(page):
+        text = (tmp_path / page).read_text()
+        assert "old" not in text
+        return text, [line for line in text.splitlines() if line.startswith("| ")
+                      and "---" not in line]
+
+    readme, short = rows("README.md")
     assert readme.startswith("a\n<!-- recovery:begin -->\n|") and readme.endswith("end -->\nb\n")
-    assert "old" not in readme
-    rows = [line for line in readme.splitlines() if line.startswith("| ") and "---" not in line]
+    assert all(line.count(" | ") == 5 for line in short)  # six columns
+    assert short[1] == ("| 2 nodes × 2 workers, a node SIGKILLed | torchrun by hand¹ | 0.7 | 0.6 | "
+                        "8.7 | 0; 10 |")
+    assert short[2] == ("| 2 nodes × 2 workers, a node's agent SIGTERMed (preempted) | "
+                        "jobs/node.sh | 1.2 | — | 9.0 | 0; 10 |")
+    page, full = rows("docs/recovery.md")
+    assert page.startswith("c\n<!-- recovery-detail:begin -->\n|") and page.endswith("end -->\nd\n")
     # The gap measured, the time back at full size not (— where a run lacks a figure).
-    assert rows[1] == ("| 2 nodes × 2 workers, a node SIGKILLed, plain torchrun | 0.7 (0.7–0.7) "
+    assert full[1] == ("| 2 nodes × 2 workers, a node SIGKILLed | torchrun by hand¹ | 0.7 (0.7–0.7) "
                        "| 0.6 (0.6–0.6) | — | 0 | 8.7 (8.7–8.7) | 8.8 (8.8–8.8) | 10 | "
                        "first step ≤ 2 | 0.9 (0.9–0.9) |")
-    assert rows[2].startswith("| 2 nodes × 2 workers, a node's agent SIGTERMed, jobs/node.sh "
-                              "| 1.2 (1.2–1.2) | — | — | 0 | 9.0 (9.0–9.0) | — | 10 | "
-                              "first step ≤ 2 |")
+    assert full[2].startswith("| 2 nodes × 2 workers, a node's agent SIGTERMed (preempted) | "
+                              "jobs/node.sh | 1.2 (1.2–1.2) | — | — | 0 | 9.0 (9.0–9.0) | — | "
+                              "10 | first step ≤ 2 |")
+    # The line that the row "torchrun by hand" runs, as chaos runs it.
+    assert "    torchrun --nnodes=1:2 --nproc_per_node=2 --rdzv_backend=elastic-mnist" in page
+    assert "--monitor_interval=0.5 -m elastic_mnist train ..." in page
 
     # Runs measured another number of times are measured again, not mixed in.
     assert recovery.earlier_runs(tmp_path / "bench" / "recovery.json", repeats=3) == {}
