@@ -56,6 +56,11 @@ BIN = Path(sys.executable).parent
 ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED",
          "BOOT_FAIL", "DEADLINE"}
 """Job states after which nothing more happens (a requeued job is PENDING again instead)."""
+TRAIN_IMAGES = 12800
+"""Synthetic training digits the jobs share."""
+BATCH = 128
+"""The jobs' --global-batch-size: steps of a sixth of the default's 768, so that two jobs of a
+few hundred steps each fit in about a minute on 2 cores."""
 
 
 class CheckFailed(Exception):
@@ -148,11 +153,12 @@ def run(cmd: list[str], **kwargs) -> subprocess.CompletedProcess:
 
 def submit(work: Path, steps: int, nproc_per_node: int, deadline: float) -> Job:
     """jobs/slurm.sbatch as users submit it, its SHARED folder ``work``, ``steps`` steps."""
-    epochs = -(-steps * 128 // 12800)  # enough epochs for --steps at the default batch of 128
+    epochs = -(-steps * BATCH // TRAIN_IMAGES)  # enough epochs for --steps
     env = job_env(threads=1, SHARED=str(work), NPROC_PER_NODE=str(nproc_per_node))
     sbatch = run(["sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0",
                   f"--output={work}/elastic-mnist-%j.out", str(SBATCH),
                   "--dataset", "synthetic", "--no-download", "--epochs", str(epochs),
+                  "--global-batch-size", str(BATCH),
                   "--max-steps", str(steps), "--checkpoint-every", "50", "--log-every", "50",
                   "--audit-samples", "--device", "cpu"], cwd=REPO, env=env)
     if sbatch.returncode != 0:
@@ -167,7 +173,7 @@ def check_slurm_job(work: Path, steps: int = 600, preempt_after: int = 100,
     at the first thing that does not hold."""
     deadline = time.time() + timeout
     data = work / "data"
-    synth = run([str(BIN / "elastic-mnist"), "synth", "--out", str(data), "--train", "12800",
+    synth = run([str(BIN / "elastic-mnist"), "synth", "--out", str(data), "--train", str(TRAIN_IMAGES),
                  "--test", "512", "--seed", "0"])
     if synth.returncode != 0:
         raise CheckFailed(f"elastic-mnist synth failed: {synth.stderr.strip()}")
