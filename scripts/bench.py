@@ -46,12 +46,16 @@ the final evaluation are outside every figure. The contenders:
   startup     one worker process from exec to its first completed step (its audit record),
               beside a bare ``import torch`` and ``import torch._dynamo`` after it, which torch's
               optimizers and DDP import: the rest is ours
+  micro       the default global batch's training step (768 digits) in micro-batches of 4, 8
+              (the default) and 32, three real Trainers in one process taking turns step by
+              step: what the micro-batch's size costs a rank that runs them all, as the median
+              ratio of step times (micro_batch_steps)
   fast, fast_floor   on a GPU: the worker and the floor with bf16, channels-last and torch.compile
               (CUDA graphs) at a batch that fills the GPU; its epoch time and start-up time
   fast_accumulating   the same worker with that batch cut into FAST_MICRO_BATCHES micro-batches,
               which it accumulates: compiled without CUDA graphs (elastic_mnist/fast_path.py)
 
-CPU runs paired, worker, seed, checkpoint, both recoveries, real and startup (ddp and floor in
+CPU runs paired, worker, seed, checkpoint, both recoveries, real, startup and micro (ddp and floor in
 processes of their own add little beside paired, and cost a minute); a GPU seed, defaults, fast,
 fast_accumulating and real (``--only`` picks others). Without ``--data-dir`` the throughput
 contenders train on 60,000 synthetic digits generated once into bench/data (MNIST cannot be
@@ -95,6 +99,8 @@ GPU_FAST_BATCH = 1000
 FAST_MICRO_BATCHES = 4
 """Micro-batches per step of the accumulating fast path (a rank that accumulates, as every rank
 does under the default flags below 96 ranks)."""
+MICRO_SIZES = (4, 8, 32)
+"""Micro-batch sizes of the micro contender: the default (8), half and four times it."""
 DEFAULT_CHECKPOINT_S = CheckpointConfig().checkpoint_every_seconds
 """The default cadence of saves, by the clock."""
 FAST_FLAGS = ["--precision", "bf16", "--channels-last", "--compile"]
@@ -128,6 +134,8 @@ class Sizes:
     recovery_workers: int = 2
     """Workers of the recovery contenders' one node (rank 0 is the one killed)."""
     real_epochs: int = 5
+    micro_rounds: int = 12
+    """Steps of the default global batch at each micro-batch size, taking turns."""
     timeout_s: float = 900.0
 
 
@@ -135,7 +143,7 @@ FULL = Sizes(reps=3, steps=120, warmup=20, checkpoint_interval_s=2.0, checkpoint
              paired_rounds=200, paired_block=20, recovery_kill_at=6, recovery_steps=20)
 QUICK = Sizes(reps=1, steps=8, warmup=4, checkpoint_interval_s=0.2, checkpoint_saves=2,
               paired_rounds=8, paired_block=4, recovery_kill_at=4, recovery_steps=8,
-              recovery_workers=1, real_epochs=1, timeout_s=300.0)
+              recovery_workers=1, real_epochs=1, micro_rounds=2, timeout_s=300.0)
 
 
 # --- the contenders that run inside this script's own child processes --------------------------
@@ -364,6 +372,51 @@ def paired_steps(data_dir: str, kind: str, device_name: str, batch: int, flags: 
             "ddp_vs_worker": statistics.median(d / w for d, w in zip(blocks("ddp"), worker))}
 
 
+def micro_batch_steps(data_dir: str, kind: str, device_name: str, sizes: list[int],
+                      rounds: int) -> dict:
+    """The training step of the default global batch in micro-batches of each of ``sizes``, one
+    real Trainer each, in one process, taking turns step by step in an order that rotates (as
+    paired_steps): what the micro-batch's size costs a rank that runs them all. Returns each
+    size's samples/s and, per size, the median over rounds of the largest size's step time over
+    its own."""
+    import torch
+
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import load
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.trainer import Trainer
+
+    device = torch.device(device_name)
+    dataset = load(Path(data_dir), kind)
+    trainers = {}
+    for size in sizes:
+        cfg = TrainConfig()
+        cfg.optim.micro_batch_size, cfg.optim.epochs = size, 1000
+        trainers[size] = Trainer(cfg, DistEnv(), device, dataset, run_id="bench",
+                                 restart_generation=0)
+    seconds: dict[int, list[float]] = {size: [] for size in sizes}
+    order = list(sizes)
+    for round_ in range(rounds + 1):  # the first round warms up
+        shift = round_ % len(order)
+        for size in order[shift:] + order[:shift]:
+            trainer = trainers[size]
+            batch = trainer.global_batch()
+            began = time.perf_counter()
+            trainer.train_step(batch, stop_requested=False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if round_:
+                seconds[size].append(time.perf_counter() - began)
+            trainer.advance(len(batch))
+    largest = max(sizes)
+    batch = TrainConfig().optim.global_batch_size
+    return {"samples_per_s": {size: len(times) * batch / sum(times)
+                              for size, times in seconds.items()},
+            "vs_largest": {size: statistics.median(big / own for big, own in
+                                                   zip(seconds[largest], seconds[size]))
+                           for size in sizes}}
+
+
 # --- running the contenders' processes --------------------------------------------------------
 
 
@@ -562,6 +615,16 @@ def measure_paired(b: Bench) -> dict[str, float]:
             "paired_ddp_samples_per_s": result["ddp"],
             "paired_worker_vs_floor_pct": 100 * result["worker_vs_floor"],
             "paired_ddp_overhead_pct": 100 * (result["ddp_vs_worker"] - 1)}
+
+
+def measure_micro(b: Bench) -> dict[str, float]:
+    """The default global batch's step in micro-batches of 4, 8 (the default) and 32, taking
+    turns in one process (micro_batch_steps)."""
+    result, _ = b.child("micro", "--data-dir", str(b.data.root), "--dataset", b.data.kind,
+                        "--device", b.device, "--rounds", str(b.sizes.micro_rounds),
+                        f"--flags={' '.join(str(size) for size in MICRO_SIZES)}")
+    return {f"micro{size}_vs_{max(MICRO_SIZES)}": result["vs_largest"][str(size)]
+            for size in MICRO_SIZES if size != max(MICRO_SIZES)}
 
 
 def measure_ddp(b: Bench) -> dict[str, float]:
@@ -782,10 +845,10 @@ CONTENDERS: dict[str, Callable[[Bench], dict[str, float]]] = {
     "recovery_shipped": measure_recovery_shipped, "recovery_defaults": measure_recovery_defaults,
     "real": measure_real, "fast": measure_fast, "fast_floor": measure_fast_floor,
     "fast_accumulating": measure_fast_accumulating,
-    "startup": measure_startup,
+    "startup": measure_startup, "micro": measure_micro,
 }
 CPU_SET = ["paired", "worker", "seed", "checkpoint", "recovery_shipped",
-           "recovery_defaults", "real", "startup"]
+           "recovery_defaults", "real", "startup", "micro"]
 GPU_SET = ["seed", "defaults", "fast", "fast_accumulating", "real"]
 """On a GPU the tuned flags compile, which takes time: they run once, at the fast path's batch."""
 
@@ -900,6 +963,9 @@ ROWS = [
     Row("ddp_samples_per_s", "Our worker under torchrun: DDP at world size 1", "samples/s"),
     Row("ddp_run_overhead_pct", "DDP under torchrun against one process, separate runs",
         "% of wall time"),
+    Row("micro8_vs_32", "Default global batch's step, micro-batches of 8 (the default) ÷ of "
+        "32, paired", "×"),
+    Row("micro4_vs_32", "… micro-batches of 4 ÷ of 32, paired", "×"),
     Row("ckpt_interval_s", "Checkpoints: time between saves", "s"),
     Row("ckpt_cost_ms", "Checkpoints: what a save costs the loop", "ms"),
     Row("ckpt_overhead_pct", "Checkpoint overhead", "% of wall time", ("≤", 1.0)),
@@ -1173,7 +1239,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-CHILD_COMMANDS = ("seed-loop", "floor", "paired")
+CHILD_COMMANDS = ("seed-loop", "floor", "paired", "micro")
 
 
 def child_main(argv: list[str]) -> int:
@@ -1189,13 +1255,17 @@ def child_main(argv: list[str]) -> int:
     parser.add_argument("--data-dir", required=True)
     parser.add_argument("--dataset", default="mnist")
     parser.add_argument("--batch", type=int, default=BATCH)
-    parser.add_argument("--flags", default="", help="the worker's flags that the floor copies")
+    parser.add_argument("--flags", default="",
+                        help="the worker's flags that the floor copies (micro: the sizes)")
     args = parser.parse_args(argv)
     if args.command == "seed-loop":
         result = seed_loop(args.data_dir, args.device, args.steps, args.warmup)
     elif args.command == "floor":
         result = compute_floor(args.data_dir, args.dataset, args.device, args.steps, args.warmup,
                                args.batch, args.flags.split())
+    elif args.command == "micro":
+        result = micro_batch_steps(args.data_dir, args.dataset, args.device,
+                                   [int(size) for size in args.flags.split()], args.rounds)
     else:
         result = paired_steps(args.data_dir, args.dataset, args.device, args.batch,
                               args.flags.split(), args.rounds, args.block,

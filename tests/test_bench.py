@@ -39,13 +39,13 @@ def test_every_cpu_contender_writes_its_figures(tiny_digits, tmp_path):
     # by its launch line only (checked below); floor and ddp, on request only, are what paired
     # measures in one process.
     results = bench_run(tmp_path, tiny_digits, "seed", "worker", "checkpoint", "paired",
-                        "recovery_shipped", "startup")
+                        "recovery_shipped", "startup", "micro")
     assert results["device"] == "cpu" and results["threads"]["per_process"] == 1
     assert results["data"]["kind"] == "synthetic" and not results["errors"]
     figures = results["figures"]
     for name in ("seed_samples_per_s", "worker_samples_per_s", "ckpt_cost_ms",
                  "ckpt_blocking_ms", "worker_peak_rss_mb", "worker_vs_seed", "ckpt_overhead_pct",
-                 "ckpt_default_overhead_pct", "ckpt_interval_s",
+                 "ckpt_default_overhead_pct", "ckpt_interval_s", "micro8_vs_32", "micro4_vs_32",
                  "paired_floor_samples_per_s", "paired_worker_vs_floor_pct",
                  "paired_ddp_overhead_pct", "startup_first_step_s", "startup_import_torch_s",
                  "startup_import_dynamo_s", "startup_ours_s"):
