@@ -72,10 +72,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="file to write; its ending picks the format: .png, .svg or .pdf "
                            "(default: run.png)")
 
-    store = commands.add_parser("rendezvous", help="serve the c10d rendezvous store",
-                                description="Serve the c10d rendezvous store as a process of its "
-                                            "own, outside every training node (RDZV_STORE=external"
-                                            " in jobs/node.sh).")
+    store = commands.add_parser("rendezvous", help="serve the rendezvous store",
+                                description="Serve the rendezvous store, at which torchrun's "
+                                            "agents meet (under our rendezvous or torch's c10d), "
+                                            "as a process of its own, outside every training "
+                                            "node (RDZV_STORE=external in jobs/node.sh).")
     rendezvous.add_arguments(store)
 
     synth = commands.add_parser("synth", help="write a synthetic digits dataset",

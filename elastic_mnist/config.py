@@ -131,8 +131,8 @@ class RunConfig:
     recovery: Literal["auto", "in-process", "restart"] = "auto"
     """When a node dies, leaves or freezes: the survivors go on in their own processes
     (in-process; gloo only: refused on NCCL until it has run on GPUs), or torchrun restarts every
-    worker from the last checkpoint (restart). auto: in process on gloo under a multi-node c10d
-    rendezvous, by restart on NCCL and on one node."""
+    worker from the last checkpoint (restart). auto: in process on gloo under a multi-node
+    rendezvous (ours or torch's c10d), by restart on NCCL and on one node."""
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""

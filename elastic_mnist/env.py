@@ -15,8 +15,9 @@ from elastic_mnist.errors import EnvError
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """The c10d rendezvous that torchrun's agents meet at: its store outlives any one node
-    (any but its own host's, unless served by `elastic-mnist rendezvous`)."""
+    """The multi-node rendezvous that torchrun's agents meet at (ours, or torch's c10d): its
+    store outlives any one node (any but its own host's, unless served by `elastic-mnist
+    rendezvous`)."""
 
     host: str
     port: int

@@ -293,7 +293,7 @@ def describe_job(membership: NullMembership, trainer: Trainer) -> None:
 
 def check_recovery(recovery: str, device: torch.device) -> None:
     """Raises ConfigError for ``--recovery in-process`` on NCCL: written with torch's own calls
-    (the communicator aborted from the watcher thread, a new group), but never run on GPUs, and
+    (the communicator aborted from the wake-up thread, a new group), but never run on GPUs, and
     torch's rules for it (a wait on NCCL's future that waits for the device, the default group
     cleared by an abort, TORCH_NCCL_ASYNC_ERROR_HANDLING=0 for a process that lives on) are not
     yet proven to hold; ``auto`` recovers NCCL jobs by a restart."""

@@ -1,7 +1,7 @@
-"""``elastic-mnist rendezvous``: the c10d rendezvous store as a small process of its own.
+"""``elastic-mnist rendezvous``: the rendezvous store as a small process of its own.
 
-With ``--rdzv_backend=c10d`` the agent on the endpoint's host serves the TCPStore in which all
-agents meet; lose that node and the store goes with it, and so does the job. Served by this
+Under our rendezvous and torch's c10d alike, the agent on the endpoint's host serves the
+TCPStore in which all agents meet (the rendezvous store); lose that node and the store goes with it, and so does the job. Served by this
 process instead, on a machine outside every training node (``RDZV_STORE=external`` in
 jobs/node.sh, where every agent starts with ``--rdzv_conf=is_host=false``), the store outlives any
 node, the first one included. It holds only rendezvous state, a few small keys per round, so it

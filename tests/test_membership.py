@@ -667,7 +667,7 @@ def test_a_recovery_opens_no_connection_to_the_coordination_store(store, members
     member._start_generation()
     member.generation_store().set("heartbeat", "1")
     assert connections_to(store.port) == before
-    assert member._watcher.name == "membership-watch-g1" and member._watcher.is_alive()
+    assert member._waker.name == "membership-wake-g1" and member._waker.is_alive()
 
 
 def test_a_rank_whose_agent_the_rendezvous_dropped_leaves(store, monkeypatch, caplog):
@@ -1381,20 +1381,20 @@ def test_a_late_watcher_of_a_generation_that_is_over_changes_nothing(members):
     held, original = threading.Event(), mine.abort
 
     def held_up(fault, *args, **kwargs):
-        if threading.current_thread().name == "membership-watch-g0":
+        if threading.current_thread().name == "membership-wake-g0":
             held.wait(20)
         return original(fault, *args, **kwargs)
 
     mine.abort = held_up
-    old_watcher = mine._watcher
+    old_waker = mine._waker
     with no_group_left():
         theirs.declare("died", [1])
         time.sleep(0.3)  # mine's g0 watcher is woken, and held up
         mine.recovery.next_generation(a_change(0, 1, 1), {0: mine.identities()[0]}, [0])
         pending = mine.guard(torch.futures.Future())
         held.set()
-        old_watcher.join(timeout=10)
-        assert not old_watcher.is_alive()
+        old_waker.join(timeout=10)
+        assert not old_waker.is_alive()
         assert mine.broken is None and mine.faulted is None and not pending.done()
 
 

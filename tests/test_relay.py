@@ -218,7 +218,7 @@ def test_woken_siblings_take_the_fault_their_first_rank_read(tmp_path):
 def test_a_late_word_on_a_generation_that_is_over_changes_nothing(tmp_path):
     views = relays(tmp_path)
     views[9].post(3, 9, position=POSITION)
-    views[9].post(2, 9, fault="late")  # a watcher thread of generation 2, late
+    views[9].post(2, 9, fault="late")  # a wake-up thread of generation 2, late
     assert views[10].board.read(1) == {"g": 3, "rank": 9, "position": POSITION}
 
 

@@ -18,7 +18,7 @@ membership reads too, so agents and workers share one membership:
   ``--nproc_per_node``; the agent's exit barrier waits for the live agents of the job only
   (exit_barrier.py).
 
-The store is the c10d TCPStore of ``--rdzv_endpoint``, served by the agent on the endpoint's
+The store is the rendezvous store (a TCPStore) of ``--rdzv_endpoint``, served by the agent on the endpoint's
 host (agent_store.py: listening where that host's name resolves; another agent there connects
 when the port is taken) or by ``elastic-mnist rendezvous`` (every agent ``is_host=false``). An agent that waited for a job which then finished leaves with exit 0
 (:class:`GracefulExit`). No private name of torch is used here. ``--rdzv_conf`` keys:

@@ -26,8 +26,8 @@ class Connections:
     declare: dist.Store
     """Declarations, from the training thread and the watchdog's; the round's guard; the
     pulse (see :class:`Pulses`). None of them waits on it."""
-    watch: dist.Store
-    """The watcher thread's, which waits to be woken."""
+    wake: dist.Store
+    """The wake-up thread's, which waits to be woken."""
     group: Spares
     """The process group's: gloo's rendezvous, one for each creation under way."""
     watchdog: dist.Store
@@ -35,7 +35,7 @@ class Connections:
 
     @classmethod
     def open(cls, store: dist.Store) -> Connections:
-        return cls(declare=store.clone(), watch=store.clone(), group=Spares(store),
+        return cls(declare=store.clone(), wake=store.clone(), group=Spares(store),
                    watchdog=store.clone())
 
 

@@ -10,7 +10,7 @@ go on by themselves, without a process start, a new CUDA context or a checkpoint
 1. **Notice** (here). Every collective of the training loop is waited on through
    :meth:`Membership.guard`. A rank whose collective fails (a peer's connection closed), or whose
    watchdog finds a peer hung, or whose peers asked to leave, *declares* the fault in the
-   coordination store; a watcher thread in every rank sees the declaration and fails that rank's
+   coordination store; a wake-up thread in every rank sees the declaration and fails that rank's
    pending collectives at once. gloo cannot abort a collective blocked on a frozen peer (its
    thread returns at the group's timeout): the rank simply stops waiting for it, and the group is
    abandoned to its thread. Every process also raises a *pulse* every ``PULSE_S``, on its node's
@@ -87,7 +87,8 @@ from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_f
 log = logging.getLogger(__name__)
 
 PREFIX = "elastic_mnist"
-WATCH_TIMEOUT = datetime.timedelta(hours=24)
+WAKE_TIMEOUT = datetime.timedelta(hours=24)
+"""How long the wake-up thread waits on one wait: as long as a generation may last."""
 
 
 class Membership(NullMembership):
@@ -144,7 +145,7 @@ class Membership(NullMembership):
         """The process's connections to the store besides ``store``, one per use."""
         self.current = CurrentGeneration(self.connections.declare, self.folder, launch)
         """The job's current generation, named and mirrored for the fence."""
-        self._watcher: threading.Thread | None = None
+        self._waker: threading.Thread | None = None
         self.launcher = agents if agents is not None else agents_for(env)
         """The launcher's agents (torchrun_agents.py): kept in the rendezvous, released at
         the end."""
@@ -208,17 +209,17 @@ class Membership(NullMembership):
         if self.env.rank in watchers(range(world_size)) and not self.known.ready:
             threading.Thread(target=self._read_identities, args=(self.known, world_size),
                              daemon=True, name=f"membership-identities-g{generation}").start()
-        # The last generation's watcher was woken by the fault's declaration and is done: its
-        # connection is free (a new one only if it still waits, for a store that stalls).
-        if self._watcher is not None:
-            self._watcher.join(timeout=2)
-        store = (self.connections.watch if self._watcher is None or not self._watcher.is_alive()
+        # The last generation's wake-up thread was woken by the fault's declaration and is done:
+        # its connection is free (a new one only if it still waits, for a store that stalls).
+        if self._waker is not None:
+            self._waker.join(timeout=2)
+        store = (self.connections.wake if self._waker is None or not self._waker.is_alive()
                  else self.store.clone())
-        self._watcher = threading.Thread(target=self._watch, daemon=True,
+        self._waker = threading.Thread(target=self._await_wake, daemon=True,
                                          args=(self.generation, self.env.rank, store,
                                                self._reads_the_fault()),
-                                         name=f"membership-watch-g{self.generation}")
-        self._watcher.start()
+                                         name=f"membership-wake-g{self.generation}")
+        self._waker.start()
 
     def _reads_the_fault(self) -> bool:
         """Whether this rank reads a fault of its generation from the store as it is woken,
@@ -239,11 +240,11 @@ class Membership(NullMembership):
                    moot=lambda: (known.ready or known.generation != self.generation
                                  or self._closed))
 
-    def _watch(self, generation: int, rank: int, store: dist.Store, first: bool) -> None:
+    def _await_wake(self, generation: int, rank: int, store: dist.Store, first: bool) -> None:
         """Waits to be woken (by a declaration, or by :meth:`close`); then, for a declared fault,
         gives up on every collective of the generation. The fault is read by the node's
         ``first`` rank, and taken from the node's board by the others (relay.py)."""
-        store.set_timeout(WATCH_TIMEOUT)
+        store.set_timeout(WAKE_TIMEOUT)
         try:
             store.wait([self.key(f"wake/{rank}", generation)])
             if self._closed or generation != self.generation:  # closed, or a grow moved on
@@ -353,7 +354,7 @@ class Membership(NullMembership):
                 log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
                          generation, why, suspects, current)
                 return None
-            known = self.faulted  # read once: the watcher thread may set it meanwhile
+            known = self.faulted  # read once: the wake-up thread may set it meanwhile
             if known is not None and env.rank not in watchers(range(env.world_size)):
                 # Woken by the generation's one fault (or declared already): it knows that
                 # fault, and that the first declarer woke every rank. Nothing more to say: a

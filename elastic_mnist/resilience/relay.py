@@ -89,7 +89,7 @@ class Relay:
     def __init__(self, board: NodeBoard):
         self.board = board
         self._message: dict[str, Any] = {}
-        self._lock = threading.Lock()  # the watcher thread posts the fault, the trainer the rest
+        self._lock = threading.Lock()  # the wake-up thread posts the fault, the trainer the rest
         self._alone: tuple[int, set[int]] = (-1, set())
         """A generation, and its ranks that agree by themselves (its one fault names whom it
         expects)."""
