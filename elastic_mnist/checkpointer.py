@@ -5,6 +5,7 @@ format checkpoint.py defines; ranks that do not save hold the null one, which do
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -75,8 +76,8 @@ class Checkpointer(NullCheckpointer):
                  clock: Callable[[], float] = time.monotonic):
         """``every``, ``every_seconds``: also save every that many steps, and at the first step
         that ends that many seconds after the last save began (or after this checkpointer was
-        made), so that a restart redoes a bounded time of training whatever the step time (0:
-        neither). ``taking_over_at``: the step at which this rank 0 takes over, in process, from one
+        made; at once where it takes over), so that a restart redoes a bounded time of training
+        whatever the step time (0: neither). ``taking_over_at``: the step at which this rank 0 takes over, in process, from one
         that is gone. Its temp files are kept (its writer may still be finishing), and a
         checkpoint it committed at that step is not written again. Otherwise the temp files a
         writer killed mid-write left are taken back."""
@@ -87,7 +88,9 @@ class Checkpointer(NullCheckpointer):
         self.every = every
         self.every_seconds = every_seconds
         self.clock = clock
-        self._last_save_began = clock()
+        # A rank 0 that takes over knows nothing of its predecessor's last save: it saves at its
+        # first step, so that what a restart redoes stays bounded across the change.
+        self._last_save_began = -math.inf if taking_over_at is not None else clock()
         self.keep_last = keep_last
         self.restart_generation = restart_generation
         self.directory.mkdir(parents=True, exist_ok=True)

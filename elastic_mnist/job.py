@@ -180,7 +180,7 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
     duties.membership.finish()
     duties.membership.release_agents()
     log.info("finished at step %d", step)
-    if env.is_main:
+    if trainer.env.is_main:  # rank 0 now: after a change of membership, maybe not at launch
         log.info("%s", where_it_went(cfg, trainer))
     return 0
 

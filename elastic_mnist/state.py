@@ -24,6 +24,9 @@ from elastic_mnist.rng import restore_rng_state, rng_state
 # cannot be continued exactly.
 RESUME_INVARIANTS = (("optim", "seed"), ("optim", "global_batch_size"),
                      ("optim", "micro_batch_size"))
+# Config fields that a resume takes as they are given, but which continue the run as it was only
+# where they are the ones it was written with: a refused resume names them with the invariants.
+RESUMED_AS_WRITTEN = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "weight_decay"))
 # Config fields that a node joining a running job must share with its ranks: every one that
 # decides the steps, their collectives or the model's state (a joiner with other --epochs would
 # stop at another step than the others, one with another --grad-sync join other collectives).
@@ -101,12 +104,10 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig
         if tuple(theirs[key].shape) != tuple(tensor.shape):
             raise CheckpointError(f"{source} is from a different model: {key} has shape "
                                   f"{tuple(theirs[key].shape)}, this model {tuple(tensor.shape)}")
-    for section, name in RESUME_INVARIANTS:
-        was = payload["config"][section][name]
-        now = getattr(getattr(cfg, section), name)
-        if was != now:
-            raise CheckpointError(f"{source} was written with --{name.replace('_', '-')}={was}, "
-                                  f"this run has {now}; use another --checkpoint-dir")
+    differs = [(section, name) for section, name in RESUME_INVARIANTS
+               if payload["config"][section][name] != getattr(getattr(cfg, section), name)]
+    if differs:
+        raise CheckpointError(invariants_differ(payload["config"], cfg, source, differs))
     data = payload["data"]
     if (data["kind"], data["num_train"]) != (dataset.kind, len(dataset.train)):
         raise CheckpointError(f"{source} was trained on {data['num_train']} {data['kind']} "
@@ -117,6 +118,23 @@ def check_compatible(payload: dict[str, Any], model: nn.Module, cfg: TrainConfig
                               f"{data['fingerprint'][:SHORT]}, this run's data "
                               f"{dataset.fingerprint[:SHORT]} in {dataset.root}); use the same "
                               f"data or another --checkpoint-dir")
+
+
+def invariants_differ(written: dict[str, Any], cfg: TrainConfig, source: str,
+                      differs: list[tuple[str, str]]) -> str:
+    """One line: the flags ``source`` was written with that this run contradicts, and the flags
+    that continue that run as it was (its optimisation too, where this run's differs: a change
+    of defaults would otherwise change it unseen)."""
+    now = cfg.to_dict()
+
+    def flags(names: list[tuple[str, str]], config: dict[str, Any]) -> str:
+        return " ".join(f"{flag_name(name)} {config[section][name]}" for section, name in names)
+
+    tuning = [(section, name) for section, name in RESUMED_AS_WRITTEN
+              if written[section][name] != now[section][name]]
+    return (f"{source} was written with {flags(differs, written)}, this run has "
+            f"{flags(differs, now)}: pass {flags(differs + tuning, written)} to continue that "
+            f"run, or use another --checkpoint-dir")
 
 
 def check_lockstep(theirs: dict[str, Any], cfg: TrainConfig) -> None:

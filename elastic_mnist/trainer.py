@@ -167,8 +167,8 @@ class Trainer:
         self.say_shares()
 
     def say_shares(self) -> None:
-        """Rank 0 says how the ranks share a step, once per world size; a warning where some
-        have nothing to do."""
+        """Rank 0 says how the ranks share a step, at the start and whenever the world size
+        changes; a warning where some have nothing to do."""
         if not self.env.is_main or self.env.world_size == self.shares_said_for:
             return
         self.shares_said_for = self.env.world_size

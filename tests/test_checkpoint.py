@@ -162,6 +162,18 @@ def test_a_save_every_s_seconds_bounds_what_a_restart_redoes_whatever_the_step_t
         checkpointer.close()
         assert saved == saved_steps, step_s
         assert sorted(m.step for m in list_manifests(folder)) == saved_steps
+    # A rank 0 that takes over in process at step 7 (its predecessor's saves unknown to it)
+    # saves at its first step, then by the clock.
+    successor = Checkpointer(tmp_path / "taken", every=0, every_seconds=10.0, keep_last=100,
+                             restart_generation=1, clock=lambda: now[0], taking_over_at=7)
+    saved = []
+    for step in range(8, 30):
+        now[0] += 0.5
+        if successor.maybe_save(lambda step=step: {**payload(step), "model": model.state_dict()},
+                                step):
+            saved.append(step)
+    successor.close()
+    assert saved == [8, 28]
 
 
 def test_inspect_reports_every_checkpoint(tmp_path):
@@ -196,3 +208,25 @@ def test_a_reader_that_goes_away_is_a_normal_end(tmp_path):
     proc.stdout.close()  # as `| head` does once it has its lines
     _, err = proc.communicate(timeout=60)
     assert proc.returncode == 0 and not err, err
+
+
+def test_a_resume_with_other_batch_flags_names_the_flags_that_continue_the_run(tmp_path):
+    """A folder written under other batch flags (the defaults of an earlier version, say) is
+    refused in one line that gives the flags to pass: the batch's, and the learning rate's and
+    warm-up's where they differ too, so that the run goes on with its own optimisation."""
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.errors import CheckpointError
+    from elastic_mnist.state import check_compatible
+
+    written = TrainConfig()
+    written.optim.global_batch_size, written.optim.micro_batch_size = 128, 32
+    written.optim.lr, written.optim.warmup_steps = 2e-3, 50
+    model = build_model(0)
+    payload = {"model": model.state_dict(), "config": written.to_dict()}
+    with pytest.raises(CheckpointError) as refused:
+        check_compatible(payload, model, TrainConfig(), None, "ckpt/step-00000120.pt")
+    assert str(refused.value) == (
+        "ckpt/step-00000120.pt was written with --global-batch-size 128 --micro-batch-size 32, "
+        "this run has --global-batch-size 768 --micro-batch-size 8: pass --global-batch-size 128 "
+        "--micro-batch-size 32 --lr 0.002 --warmup-steps 50 to continue that run, or use "
+        "another --checkpoint-dir")

@@ -114,7 +114,8 @@ def test_synthetic_fallback_is_loud_and_recorded(tiny_digits, tmp_path):
     assert done.returncode == 0, done.stdout
     assert done.stdout.count("SYNTHETIC DIGITS, NOT MNIST") == 1, done.stdout  # said once
     assert "SYNTHETIC DIGITS, NOT MNIST" in (tmp_path / "runs" / "fb" / "train.log").read_text()
-    assert "synthetic digits stand in for it (put train-images-idx3-ubyte" in done.stdout
+    assert ("synthetic digits stand in for MNIST, which cannot be had: MNIST not found in "
+            f"{tmp_path / 'data' / 'MNIST' / 'raw'} and downloading is off") in done.stdout
 
 
 def test_missing_mnist_without_download_says_what_to_put_where(tmp_path):

@@ -131,12 +131,10 @@ def prepare(data_dir: Path, dataset: str, *, download: bool, synthetic_fallback:
     try:
         ensure_mnist(data_dir, download=download)
         return "mnist"
-    except DataError:
+    except DataError as e:
         if not synthetic_fallback:
             raise
-        log.warning("MNIST not found in %s%s: synthetic digits stand in for it (put %s there "
-                    "to train on MNIST)", raw_dir(data_dir),
-                    " and the download failed" if download else "", ", ".join(ALL_FILES))
+        log.warning("synthetic digits stand in for MNIST, which cannot be had: %s", e)
         ensure_synthetic(synthetic_root(data_dir, dataset))
         return "synthetic"
 
