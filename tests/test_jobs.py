@@ -362,9 +362,15 @@ done
 """
 FAKE_SCANCEL = """\
 #!/usr/bin/env bash
-# scancel --signal=SIG JOBID: the signal reaches the tasks of the job's steps, not the batch shell.
+# scancel --signal=SIG JOBID: the signal reaches the tasks of the job's steps, not the batch shell;
+# scancel --batch ... (another job, a joiner): recorded only.
 echo "scancel $*" >> "$FAKE_SLURM_LOG"
-kill -s "${1#--signal=}" "$(cat "$FAKE_SLURM_TASKS")"
+[[ $1 == --batch ]] || kill -s "${1#--signal=}" "$(cat "$FAKE_SLURM_TASKS")"
+"""
+FAKE_SQUEUE = """\
+#!/usr/bin/env bash
+# squeue -h -j JOBID -o %T: the state given in $FAKE_SQUEUE_STATE (RUNNING by default).
+echo "${FAKE_SQUEUE_STATE:-RUNNING}"
 """
 FAKE_SCONTROL = """\
 #!/usr/bin/env bash
@@ -382,7 +388,7 @@ def slurm(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for tool, text in (("srun", FAKE_SRUN), ("scancel", FAKE_SCANCEL),
-                       ("scontrol", FAKE_SCONTROL)):
+                       ("scontrol", FAKE_SCONTROL), ("squeue", FAKE_SQUEUE)):
         (bin_dir / tool).write_text(text)
         (bin_dir / tool).chmod(0o755)
     fake = tmp_path / "fake_torchrun.py"
@@ -489,15 +495,16 @@ def test_a_node_joins_the_running_job_from_the_shared_folder(slurm, tmp_path, en
     """jobs/slurm_join.sbatch JOBID, in a one-node job of its own: the job's rendezvous, sizes,
     node.sh variables and training arguments, as the job wrote them into the shared folder; it
     never serves the store."""
-    proc = slurm("0", MAX_RESTARTS="5", **env)
-    out, _ = proc.communicate(timeout=30)
-    assert proc.returncode == 0, out
-    job_options, job_train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
-    (tmp_path / "rec").unlink()
-
-    joiner = slurm("0", job_id="77", script=SBATCH_JOIN, args=("42",), SLURM_JOB_NUM_NODES="1",
-                   SLURM_JOB_NODELIST="node-e", NPROC_PER_NODE="", MAX_RESTARTS="")
-    out, _ = joiner.communicate(timeout=30)
+    proc = slurm("wait", MAX_RESTARTS="5", **env)  # the job runs while the node joins
+    try:
+        job_options, job_train = launch_of(launched(tmp_path, proc)["argv"], launcher=[])
+        (tmp_path / "rec").unlink()
+        joiner = slurm("0", job_id="77", script=SBATCH_JOIN, args=("42",),
+                       SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="node-e", NPROC_PER_NODE="",
+                       MAX_RESTARTS="")
+        out, _ = joiner.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
     assert joiner.returncode == 0, out
     assert f"job 77: joining job 42 at {endpoint}" in out
     record = launched(tmp_path, joiner)
@@ -514,6 +521,54 @@ def test_a_joiner_without_a_job_to_join_says_so_in_one_line(slurm, tmp_path, arg
     out, _ = proc.communicate(timeout=30)
     assert proc.returncode == 2, out
     assert len(out.splitlines()) == 1 and out.startswith("jobs/slurm_join.sbatch: "), out
+
+
+def test_a_job_that_ended_leaves_nothing_to_join_and_a_pending_one_is_not_joined(slurm,
+                                                                                 tmp_path):
+    """The job's end removes what it wrote for joiners; a job waiting in the queue (requeued)
+    has an endpoint no longer: its joiner says so in one line, not after JOIN_TIMEOUT."""
+    proc = slurm("0")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert not list((tmp_path / "shared" / "jobs").iterdir())
+    (tmp_path / "shared" / "jobs" / "42.env").write_text("RUN_ID=42\n")  # a requeued job's
+    (tmp_path / "shared" / "jobs" / "42.args").write_text("")
+    joiner = slurm("0", job_id="77", script=SBATCH_JOIN, args=("42",), FAKE_SQUEUE_STATE="PENDING")
+    out, _ = joiner.communicate(timeout=30)
+    assert joiner.returncode == 2, out
+    assert out == ("jobs/slurm_join.sbatch: job 42 is not running (PENDING): nothing to join; its "
+                   "next start asks for every node again\n")
+
+
+def test_a_stop_reaches_the_nodes_that_joined(slurm, tmp_path):
+    """SIGTERM before the time limit: the job's steps and every joiner's batch shell (its
+    torchrun) are told, so that every rank stops at one agreed step with a checkpoint."""
+    proc = slurm("wait")
+    try:
+        launched(tmp_path, proc)
+        (tmp_path / "rec").unlink()
+        joiner = slurm("0", job_id="77", script=SBATCH_JOIN, args=("42",),
+                       SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="node-e")
+        assert joiner.wait(timeout=30) == 0, joiner.communicate()[0]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        kill_tree(proc.pid)
+    assert slurm_calls(tmp_path) == ["scancel --signal=TERM 42", "scancel --batch --signal=TERM 77",
+                                     "scontrol requeue 42"], out
+
+
+def test_a_job_that_trained_to_the_end_after_losing_a_node_ends_well(slurm, tmp_path):
+    """srun's status is an error where a node's task was lost on the way; the run's own record
+    says that training finished, and the job ends 0 (dependencies on it, afterok, go on)."""
+    run_dir = tmp_path / "shared" / "runs" / "42"
+    run_dir.mkdir(parents=True)
+    (run_dir / "events.jsonl").write_text('{"event": "start", "step": 0}\n'
+                                          '{"event": "finish", "step": 300}\n')
+    proc = slurm("1")
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "job 42: training finished; a node's task ended with an error on the way" in out
 
 
 def test_sbatch_gives_jobs_that_share_a_first_node_their_own_rendezvous_ports(slurm, tmp_path):
@@ -623,7 +678,8 @@ def operator_env(job: dict) -> dict[str, str]:
             "PET_NNODES": f"{policy['minReplicas']}:{policy['maxReplicas']}",
             "PET_MAX_RESTARTS": str(policy["maxRestarts"]),
             "PET_NPROC_PER_NODE": spec["nprocPerNode"],
-            "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"])}
+            "PET_RDZV_CONF": ",".join(f"{c['key']}={c['value']}" for c in policy["rdzvConf"]),
+            **({"PET_RDZV_ID": policy["rdzvId"]} if "rdzvId" in policy else {})}
 
 
 def test_pytorchjob_workers_meet_at_the_store_outside_them(monkeypatch):
@@ -641,6 +697,9 @@ def test_pytorchjob_workers_meet_at_the_store_outside_them(monkeypatch):
     service = manifests()["Service"]
     assert args.rdzv_endpoint == f"{service['metadata']['name']}:{service['spec']['ports'][0]['port']}"
     assert args.rdzv_backend == "elastic-mnist" and args.nnodes == "1:4"
+    # A job of its own at a store that serves many: not torchrun's "none", which a finished job
+    # would have closed for every later one.
+    assert args.rdzv_id == job["spec"]["elasticPolicy"]["rdzvId"] != "none"
     assert dict(item.split("=", 1) for item in args.rdzv_conf.split(","))["is_host"] == "false"
     assert args.nproc_per_node == "8" and args.monitor_interval == 0.5 and args.max_restarts == 3
     assert args.module and args.training_script == "elastic_mnist"
