@@ -181,7 +181,8 @@ def test_a_checkpoint_of_another_config_names_the_mismatch(tiny_digits, three_st
     before = run_files(tmp_path / "runs")
     done = run(cli_cmd(*args_for(tiny_digits, tmp_path, "--max-steps", "6", "--seed", "9")))
     assert done.returncode == 2
-    assert "--seed=0" in done.stdout.strip().splitlines()[-1]
+    assert "was written with --seed 0, this run has --seed 9: pass --seed 0 to continue" in \
+        done.stdout.strip().splitlines()[-1]
     assert run_files(tmp_path / "runs") == before
 
 

@@ -864,11 +864,13 @@ def test_an_agent_killed_alone_is_not_renewed_for_its_orphaned_worker(store, mon
         while not store.check([f"elastic_mnist/job7/x/dead-agent/n2.example/{agent.pid}"]):
             assert time.monotonic() < deadline, "the orphan did not say its agent is dead"
             time.sleep(0.05)
-        state, token = backend.get_state()
-        state = pickle.loads(state)
         lapsed_at = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(seconds=20)
-        state.last_heartbeats.update(dict.fromkeys((ours, theirs), lapsed_at))
-        backend.set_state(pickle.dumps(state), token)
+        written = False
+        while not written:  # a compare-and-set, which a renewal meanwhile makes fail: again
+            state, token = backend.get_state()
+            state = pickle.loads(state)
+            state.last_heartbeats.update(dict.fromkeys((ours, theirs), lapsed_at))
+            written = backend.set_state(pickle.dumps(state), token)[2]
         while pickle.loads(backend.get_state()[0]).last_heartbeats[ours] == lapsed_at:
             assert time.monotonic() < deadline + 10, "this node's agent was not renewed"
             time.sleep(0.05)
