@@ -87,7 +87,7 @@ chaos: $(STAMP)  ## simulated nodes on loopback, a fault of each kind, a verdict
 	$(BIN)/python scripts/chaos.py $(CHAOS_ARGS)
 
 # The card's shape on this machine: 4 nodes of 8 workers with the job's default batch flags (every
-# rank has samples in every step, checked), a node killed and one joining (about 8 minutes on 2
+# rank has samples in every step, checked), a node killed and one joining (about 4 minutes on 2
 # cores). The README's plain torchrun line instead of jobs/node.sh, as it is run:
 # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 make chaos32 CHAOS_ARGS="--launch torchrun";
 # CHAOS_ARGS="--readme-section chaos32" writes its timings into docs/launching.md.
