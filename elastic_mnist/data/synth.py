@@ -30,7 +30,7 @@ what makes real handwriting hard:
 The result, trained with the default flags on the default 60,000 / 10,000 set on CPU
 (``elastic-mnist train --dataset synthetic --data-dir D --epochs E --seed S``, then
 ``elastic-mnist evaluate --json``): 98.4% after 1 epoch, 98.9% after 2 (model seeds 1 and 2:
-98.92% and 98.85%) and 99.3% after 5 (seed 1); the defaults are made to reach 99% on MNIST.
+98.92% and 98.85%) and 99.3% after 5 (seed 1).
 
 Sample ``i`` depends only on ``seed``, ``i`` and its label: its parameters are one row of a
 table drawn up front from a ``torch.Generator``, and its pixel noise and point wobble are
