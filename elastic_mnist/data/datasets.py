@@ -129,7 +129,7 @@ def prepare(data_dir: Path, dataset: str, *, download: bool, synthetic_fallback:
         ensure_synthetic(synthetic_root(data_dir, dataset))
         return "synthetic"
     try:
-        ensure_mnist(data_dir, download=download)
+        ensure_mnist(data_dir, download=download, fallback=synthetic_fallback)
         return "mnist"
     except DataError as e:
         if not synthetic_fallback:
@@ -139,8 +139,9 @@ def prepare(data_dir: Path, dataset: str, *, download: bool, synthetic_fallback:
         return "synthetic"
 
 
-def ensure_mnist(root: Path, *, download: bool) -> None:
-    """Extracts the .gz files, or downloads MNIST when allowed; a DataError says what is missing."""
+def ensure_mnist(root: Path, *, download: bool, fallback: bool = False) -> None:
+    """Extracts the .gz files, or downloads MNIST when allowed; a DataError says what is missing
+    (and, unless synthetic digits stand in for it as a ``fallback``, what to train on instead)."""
     if is_synthetic_dir(root):
         raise DataError(f"{raw_dir(root)} holds synthetic digits ({SYNTHETIC_MARKER}); "
                         f"use --dataset synthetic or another --data-dir")
@@ -148,16 +149,17 @@ def ensure_mnist(root: Path, *, download: bool) -> None:
         if not has_split_files(root) and download:
             _download(root)
         if not has_split_files(root):
-            raise DataError(missing_mnist_message(root, download))
+            raise DataError(missing_mnist_message(root, download, fallback))
         _extract_archives(root)
         fingerprint(raw_dir(root), ALL_FILES)  # cached for every rank that loads the files
 
 
-def missing_mnist_message(root: Path, download: bool) -> str:
+def missing_mnist_message(root: Path, download: bool, fallback: bool = False) -> str:
     names = ", ".join(ALL_FILES)
     why = "downloading is off (--no-download)" if not download else "the download failed"
+    instead = " for MNIST" if fallback else ", or train on --dataset synthetic"
     return (f"MNIST not found in {raw_dir(root)} and {why}: put {names} (or their .gz files) "
-            f"there, or train on --dataset synthetic")
+            f"there{instead}")
 
 
 def _download(root: Path) -> None:
