@@ -88,8 +88,8 @@ chaos: $(STAMP)  ## simulated nodes on loopback, a fault of each kind, a verdict
 
 # The card's shape on this machine: 4 nodes of 8 workers with the job's default batch flags (every
 # rank has samples in every step, checked), a node killed and one joining (about 4 minutes on 2
-# cores). The README's plain torchrun line instead of jobs/node.sh, as it is run:
-# TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 make chaos32 CHAOS_ARGS="--launch torchrun";
+# cores). The README's multi-node torchrun line, with jobs/node.sh's rendezvous timing, instead of
+# jobs/node.sh: make chaos32 CHAOS_ARGS="--launch torchrun";
 # CHAOS_ARGS="--readme-section chaos32" writes its timings into docs/launching.md.
 chaos32: $(STAMP)  ## the card's shape, 4 nodes × 8 workers: a node lost, one joining
 	$(BIN)/python scripts/chaos.py --nodes 4 --start-nodes 4 --nproc-per-node 8 --store agent \

@@ -565,9 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the uninterrupted run and the accuracy check (smoke runs)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (1)")
     parser.add_argument("--launch", choices=("node.sh", "torchrun"), default="node.sh",
-                        help="each node's agent: jobs/node.sh, or the README's plain torchrun "
-                             "line in this environment (TORCH_DISABLE_SHARE_RDZV_TCP_STORE "
-                             "included, if set) (node.sh)")
+                        help="each node's agent: jobs/node.sh, or the README's multi-node "
+                             "torchrun line with jobs/node.sh's rendezvous timing "
+                             "(--rdzv_conf, --monitor_interval), in this environment (node.sh)")
     parser.add_argument("--rdzv-backend", choices=("elastic-mnist", "c10d"),
                         default="elastic-mnist",
                         help="the agents' rendezvous: ours, which takes joining nodes and a "
