@@ -1,17 +1,17 @@
 """``elastic-mnist rendezvous``: the rendezvous store as a small process of its own.
 
-Under our rendezvous and torch's c10d alike, the agent on the endpoint's host serves the
-TCPStore in which all agents meet (the rendezvous store); lose that node and the store goes with it, and so does the job. Served by this
-process instead, on a machine outside every training node (``RDZV_STORE=external`` in
-jobs/node.sh, where every agent starts with ``--rdzv_conf=is_host=false``), the store outlives any
-node, the first one included. It holds only rendezvous state, a few small keys per round, so it
-needs no GPU and next to no memory; one store serves any number of jobs (their ``--rdzv_id``
-keeps them apart). It listens on the address ``--host`` resolves to (elastic_mnist/stores.py),
-not on every interface as torch's own store server does; ``--host 0.0.0.0`` asks for every one.
-By default ``--host`` is this machine's host name, which the agents on other machines reach it
-by (a name that resolves to loopback here, as Debian's hosts file maps it, listens on every
-interface: the others resolve it otherwise); the start-up line says what the agents must be
-given.
+Under our rendezvous and torch's c10d alike, the agent on the endpoint's host serves the TCPStore
+in which all agents meet (the rendezvous store); lose that node and the store goes with it, and so
+does the job. Served by this process instead, on a machine outside every training node
+(``RDZV_STORE=external`` in jobs/node.sh, where every agent starts with
+``--rdzv_conf=is_host=false``), the store outlives any node, the first one included. It holds only
+rendezvous state, a few small keys per round, so it needs no GPU and next to no memory; one store
+serves any number of jobs (their ``--rdzv_id`` keeps them apart). It listens on the address
+``--host`` resolves to (elastic_mnist/stores.py), not on every interface as torch's own store
+server does; ``--host 0.0.0.0`` asks for every one. By default ``--host`` is this machine's host
+name, which the agents on other machines reach it by (a name that resolves to loopback here, as
+Debian's hosts file maps it, listens on every interface: the others resolve it otherwise); the
+start-up line says what the agents must be given.
 """
 
 from __future__ import annotations
