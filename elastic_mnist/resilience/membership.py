@@ -28,8 +28,8 @@ lapses the agents' keep-alives: the workers renew them, and watch the rendezvous
 agent dropped all the same (torchrun_agents.py). The job's current generation is named for the
 fence, which tells a process that the survivors went on without it (current.py).
 
-The coordination store is the c10d rendezvous store torchrun's agents meet at (its endpoint is
-on the agent's command line): it outlives any node but its own host, and every node when it is
+The coordination store is the rendezvous store torchrun's agents meet at (its endpoint is on
+the agent's command line): it outlives any node but its own host, and every node when it is
 served by ``elastic-mnist rendezvous``. Losing the node that serves it ends the job anyway, since
 the agents themselves can no longer meet. Each launch has a nonce of its own under the run id,
 and each generation a prefix of its own under it, so nothing of an earlier group is read by a
