@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # What every node of a multi-node job runs: one torchrun agent, which starts this node's workers
 # and meets the other nodes' agents at the rendezvous (this package's, `--rdzv_backend=elastic-mnist`,
-# on a c10d store). Arguments go to `elastic-mnist train`.
+# on the rendezvous store, a TCPStore). Arguments go to `elastic-mnist train`.
 #
 #   NNODES=1:4 RDZV_ENDPOINT=head:29400 RUN_ID=job42 jobs/node.sh \
 #       --data-dir /shared/data --checkpoint-dir /shared/ckpt --logdir /shared/runs

@@ -4,7 +4,7 @@
     scripts/scale.py [--sizes 8,64,512,2048,8000] [--ranks-per-node 8] [--steady-s 6]
                      [--hang-timeout 10] [--budget-s 60] [--json bench/scale.json]
 
-Everything that keeps a job together runs through one c10d TCPStore, served by one event loop.
+Everything that keeps a job together runs through one TCPStore (the rendezvous store), served by one event loop.
 This runs that traffic without training: one real TCPStore (torch's, in a process of its own,
 as ``elastic-mnist rendezvous`` serves it) and simulated nodes, spread over a few processes,
 each node on connections of its own speaking for its ranks with the job's own code:

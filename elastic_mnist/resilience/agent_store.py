@@ -1,4 +1,4 @@
-"""An agent's rendezvous store (agents.py), its one job: the c10d TCPStore of ``--rdzv_endpoint``,
+"""An agent's rendezvous store (agents.py), its one job: the TCPStore of ``--rdzv_endpoint``,
 served by the agent on the endpoint's host (listening where that host's name resolves,
 elastic_mnist/stores.py; another agent there connects when the port is taken), else connected
 to, once it listens: the nodes of a job start together, and an agent waits for the store as long
