@@ -151,21 +151,23 @@ OWNER = """
 import sys, time
 sys.path.insert(0, {scripts!r})
 import hosts
-net = hosts.Network({{"a": ("control", "data"), "b": ("data",)}}).__enter__()
-sleeper = __import__("subprocess").Popen(net.command("a", ["sleep", "600"]))
-print(net.prefix, sleeper.pid, flush=True)
-time.sleep(600)
+with hosts.Network({{"a": ("control", "data"), "b": ("data",)}}) as net:
+    sleeper = __import__("subprocess").Popen(net.command("a", ["sleep", "600"]))
+    print(net.prefix, sleeper.pid, flush=True)
+    time.sleep(600)
 """
 
 
-def test_nothing_is_left_when_the_harness_is_sigkilled():
-    """The reaper removes the namespaces, links and files of a run whose process was
-    SIGKILLed, and ends what ran in its hosts."""
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT])
+def test_nothing_is_left_when_the_harness_is_killed(sig):
+    """A run's namespaces, links and files are gone, and what ran in its hosts ended, whatever
+    ended its process: SIGTERM and SIGINT end it through its ``finally``, SIGKILL through its
+    reaper."""
     owner = subprocess.Popen([sys.executable, "-c", OWNER.format(scripts=str(REPO / "scripts"))],
-                             stdout=subprocess.PIPE, text=True)
+                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     prefix, sleeper = owner.stdout.readline().split()
     assert any(hosts.made_by(prefix).values())
-    os.kill(owner.pid, signal.SIGKILL)
+    os.kill(owner.pid, sig)
     owner.wait()
     assert nothing_left(prefix) == {"namespaces": [], "links": [], "files": []}
     assert not Path(f"/proc/{sleeper}").exists() or \
