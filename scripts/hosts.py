@@ -44,7 +44,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Self
@@ -454,23 +454,30 @@ def _exit_on_sigterm(signum, frame) -> None:
 # --- what the machine allows ---------------------------------------------------------------------
 
 
-def check() -> Iterator[tuple[str, bool, str]]:
-    """Each thing the harness relies on, whether it works here, and a word on it."""
+CAPABILITIES = {"namespaces": "network namespaces (root, ip, tc, unshare)",
+                "slow": "slow a link: tc tbf",
+                "one-way": "cut one direction: tc pfifo limit 0",
+                "netem": "delay or loss: tc netem"}
+"""What :func:`capabilities` tries, and in what words."""
+
+
+def capabilities() -> dict[str, str | None]:
+    """What this machine allows of :data:`CAPABILITIES`: None where it works, else why not
+    (in the kernel's words). Tried on a network of one host, made and removed."""
     reason = unavailable()
-    yield "network namespaces (root, ip, tc, unshare)", reason is None, reason or "ok"
     if reason:
-        return
+        return dict.fromkeys(CAPABILITIES, reason)
+    found: dict[str, str | None] = {"namespaces": None}
     with Network({"a": ("data",)}) as net:
         link = net.hosts["a"].links["data"]
-        for what, argv in (("slow a link: tc tbf", ("tbf", "rate", "10mbit", "burst", SLOW_BURST,
-                                                   "latency", SLOW_LATENCY)),
-                           ("one direction cut: tc pfifo limit 0", ("pfifo", "limit", "0"))):
-            done = run("tc", "qdisc", "replace", "dev", link.outer, "root", *argv, check=False)
-            yield what, done.returncode == 0, (done.stderr.strip() or "ok")
+        for name, qdisc in (("slow", ("tbf", "rate", "10mbit", "burst", SLOW_BURST, "latency",
+                                      SLOW_LATENCY)),
+                            ("one-way", ("pfifo", "limit", "0")),
+                            ("netem", ("netem", "delay", "10ms"))):
+            done = run("tc", "qdisc", "replace", "dev", link.outer, "root", *qdisc, check=False)
+            found[name] = None if done.returncode == 0 else (done.stderr.strip() or "refused")
             run("tc", "qdisc", "del", "dev", link.outer, "root", check=False)
-        done = run("tc", "qdisc", "add", "dev", link.outer, "root", "netem", "delay", "10ms",
-                   check=False)
-        yield "delay or loss: tc netem", done.returncode == 0, (done.stderr.strip() or "ok")
+    return found
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -491,8 +498,9 @@ def main(argv: list[str] | None = None) -> int:
         stale = sweep()
         print(f"hosts: removed {', '.join(stale)}" if stale else "hosts: nothing left behind")
         return 0
-    for what, works, word in check():
-        print(f"{'yes' if works else 'no ':3} {what}" + ("" if works else f": {word}"))
+    for name, why_not in capabilities().items():
+        print(f"{'no ' if why_not else 'yes'} {CAPABILITIES[name]}"
+              + (f": {why_not}" if why_not else ""))
     return 0
 
 
