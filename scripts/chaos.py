@@ -3,6 +3,7 @@
 
     scripts/chaos.py [--nodes 3] [--faults 7] [--seed 0] [--schedule 120:kill-node:0,...]
                      [--nproc-per-node 1] [--launch node.sh|torchrun] [--store external|agent]
+                     [--hosts loopback|netns]
 
 Starts NODES simulated nodes, each its own torchrun agent through ``jobs/node.sh`` (or, with
 ``--launch torchrun``, the README's plain torchrun line, with the rendezvous timing node.sh
@@ -27,6 +28,17 @@ SETTLE_STEPS steps later):
                   (elsewhere a sibling kills it, and its agent restarts the node)
     nan-grad      rank 0's gradients of that step poisoned (ELASTIC_MNIST_FAULT, set when the
                   nodes start): every rank skips the step
+
+With ``--hosts netns`` each node is a host of its own (scripts/hosts.py: a network namespace
+with its own host name, a control link to the store and a data link to its peers,
+``GLOO_SOCKET_IFNAME=data``), the store is ``elastic-mnist rendezvous`` on a host of its own on
+the control bridge (``RDZV_ENDPOINT=store:29400``), and the network's faults join the kinds above:
+cut-node, cut-data, cut-control, cut-in, cut-out, flap-node, slow-link and store-outage
+(scripts/netfaults.py), each lasting its SECONDS (``STEP:KIND:NODE:SECONDS``; NODE may be left
+empty) and then healed. For them chaos reports how the job answered (rode it out, in process, or
+by a restart), whether the healthy nodes' workers are the same processes after it, and whether
+the node was back at the job's size after the heal; it does not fail on any of it (the targets
+are scripts/partitions.py's), only on what it checks for every run.
 
 Then it checks, and exits 1 on any failure: the job finished; every completed epoch used every
 sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
@@ -58,9 +70,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import hosts
 import markers
+import netfaults
 import psutil
-from processes import LAUNCHER_VARS, free_port, kill_tree
+from cluster import Cluster, network_hosts, worker_pids
+from processes import LAUNCHER_VARS, kill_tree
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.events import event_time
@@ -68,6 +83,7 @@ from elastic_mnist.resilience.faults import FAULT_VAR
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill-node", "kill-worker", "preempt-node", "leave", "join", "hang-worker", "nan-grad")
+ALL_KINDS = (*KINDS, *netfaults.NET_KINDS)
 IN_PROCESS_KINDS = ("kill-node", "preempt-node", "leave", "hang-worker")
 """Faults the survivors go on from in process under either rendezvous (hang-worker, under c10d,
 only where the worker is alone on its node: with siblings, one of them kills it, and its agent
@@ -84,9 +100,10 @@ ROUND_GUARD_LINE = "the rendezvous moved on to round"  # what a rank logs when i
 # torch 2.14's own rendezvous timing, for comparison with jobs/node.sh's (its variables).
 TORCHRUN_DEFAULTS = {"LAST_CALL_TIMEOUT": "30", "KEEP_ALIVE_INTERVAL": "5",
                      "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.1"}
-# jobs/node.sh's own defaults of the same variables, for --launch torchrun.
-NODE_SH_TIMING = {"LAST_CALL_TIMEOUT": "2", "KEEP_ALIVE_INTERVAL": "1",
-                  "KEEP_ALIVE_MAX_ATTEMPT": "3", "MONITOR_INTERVAL": "0.5"}
+STEPS_PER_NETWORK_FAULT = 600
+"""More steps for the job for each network fault of its schedule (it lasts seconds)."""
+COMEBACK_S = 90.0
+"""How long after a network fault's heal the job may take to be back at its size."""
 
 
 @dataclass
@@ -119,120 +136,26 @@ class Fault:
     join): None when the job did not get back there."""
     size_before: int | None = None
     """The job's world size at its last step before the fault."""
+    seconds: float | None = None
+    """A network fault's length, until it heals."""
+    healed: float | None = None
+    came_back: bool | None = None
+    """A network fault: the job stepped at its size before the fault again after the heal
+    (None: the job ended first)."""
+    grows: int | None = None
+    """A network fault: nodes admitted in process while it lasted and until the job was back."""
 
     def back_since(self) -> float | None:
         """From when a step at full size counts as the job back: after a departure, from the
         job's first step without the node (a step in flight as it was told to leave completes at
-        the old size first); after a join, from the join."""
+        the old size first); after a join, from the join; after a network fault, from its heal."""
+        if self.kind in netfaults.NET_KINDS:
+            return self.healed
         return self.at if self.kind == "join" else self.first_step
 
     def describe(self) -> str:
-        return f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
-
-
-def worker_pids(pid: int) -> list[int]:
-    try:
-        return [p.pid for p in psutil.Process(pid).children(recursive=True)
-                if "elastic_mnist" in " ".join(p.cmdline()) and "train" in p.cmdline()]
-    except psutil.NoSuchProcess:
-        return []
-
-
-class Cluster:
-    """Simulated nodes on this machine, each a torchrun agent (through `jobs/node.sh`, or the
-    README's plain line) in a session of its own."""
-
-    def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
-                 env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh",
-                 rdzv_backend: str = "elastic-mnist"):
-        self.workdir, self.train_args, self.max_nodes, self.store = (workdir, train_args,
-                                                                     max_nodes, store)
-        self.nproc_per_node, self.launch = nproc_per_node, launch
-        self.rdzv_backend = rdzv_backend
-        self.port = free_port()
-        self.env = env
-        self.nodes: dict[int, subprocess.Popen] = {}
-        self.exited: dict[int, int] = {}
-        self.store_proc: subprocess.Popen | None = None
-        self._next_id = 0
-        self.frozen: set[int] = set()
-        """Nodes whose worker is stopped for good (the others went on without it): their agent
-        waits for it forever, and no later fault can take them."""
-
-    def start_store(self) -> None:
-        if self.store == "external":
-            log = open(self.workdir / "store.log", "w")  # noqa: SIM115 - the child's
-            self.store_proc = subprocess.Popen(
-                [sys.executable, "-m", "elastic_mnist", "rendezvous", "--host", "127.0.0.1",
-                 "--port", str(self.port)], stdout=log, stderr=subprocess.STDOUT, env=self.env)
-
-    def start_node(self) -> int:
-        node = self._next_id
-        self._next_id += 1
-        is_host = self.store == "agent" and node == 0
-        if self.launch == "torchrun":
-            cmd, env = self.torchrun_line(is_host), self.env
-        else:
-            cmd = ["bash", str(REPO / "jobs" / "node.sh"), *self.train_args]
-            env = {**self.env, "NNODES": f"1:{self.max_nodes}",
-                   "NPROC_PER_NODE": str(self.nproc_per_node),
-                   "RDZV_ENDPOINT": f"127.0.0.1:{self.port}", "RUN_ID": "chaos",
-                   "MAX_RESTARTS": "100", "RDZV_STORE": self.store,
-                   "RDZV_BACKEND": self.rdzv_backend,
-                   "RDZV_IS_HOST": "true" if is_host else "false"}
-        log = open(self.workdir / f"node{node}.log", "w")  # noqa: SIM115 - the child's
-        self.nodes[node] = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
-                                            stderr=subprocess.STDOUT, start_new_session=True)
-        return node
-
-    def torchrun_line(self, is_host: bool) -> list[str]:
-        """The README's multi-node line, as a user would type it on each node."""
-        timing = {k: self.env.get(k, v) for k, v in NODE_SH_TIMING.items()}  # --rdzv-defaults
-        conf = (f"join_timeout=600,last_call_timeout={timing['LAST_CALL_TIMEOUT']},"
-                f"keep_alive_interval={timing['KEEP_ALIVE_INTERVAL']},"
-                f"keep_alive_max_attempt={timing['KEEP_ALIVE_MAX_ATTEMPT']},"
-                f"is_host={str(is_host).lower()}")
-        return [sys.executable, "-m", "torch.distributed.run", f"--nnodes=1:{self.max_nodes}",
-                f"--nproc_per_node={self.nproc_per_node}", f"--rdzv_backend={self.rdzv_backend}",
-                f"--rdzv_endpoint=127.0.0.1:{self.port}", "--rdzv_id=chaos",
-                f"--rdzv_conf={conf}", "--max_restarts=100",
-                f"--monitor_interval={timing['MONITOR_INTERVAL']}",
-                "-m", "elastic_mnist", "train", *self.train_args]
-
-    def alive(self) -> list[int]:
-        for node, proc in list(self.nodes.items()):
-            if proc.poll() is not None:
-                self.exited[node] = proc.returncode
-                del self.nodes[node]
-        return sorted(self.nodes)
-
-    def workers(self) -> list[int]:
-        return [pid for proc in self.nodes.values() for pid in worker_pids(proc.pid)]
-
-    def stopped(self, node: int) -> bool:
-        """A worker of the node is stopped (SIGSTOP, by chaos or by a fault it was told to
-        inject): its agent waits for it forever."""
-        for pid in worker_pids(self.nodes[node].pid):
-            try:
-                if psutil.Process(pid).status() == psutil.STATUS_STOPPED:
-                    return True
-            except psutil.NoSuchProcess:
-                pass
-        return False
-
-    def victims(self) -> list[int]:
-        """Nodes a fault may take: never the store's host, never the last one, never a frozen
-        one."""
-        alive = [n for n in self.alive() if n not in self.frozen]
-        candidates = [n for n in alive if not (self.store == "agent" and n == 0)]
-        return candidates if len(alive) > 1 else []
-
-    def stop(self) -> None:
-        for proc in self.nodes.values():
-            kill_tree(proc.pid)
-        if self.store_proc is not None:
-            self.store_proc.terminate()
-            self.store_proc.wait(timeout=10)
+        return (f"{self.kind}" + ("" if self.node is None else f" n{self.node}")
+                + ("" if self.seconds is None else f" {self.seconds:g} s"))
 
 
 class Observer:
@@ -280,31 +203,44 @@ class Observer:
         return any(e["event"] == "finish" for e in self.events())
 
 
-def random_schedule(rng: random.Random, faults: int, first: int, last: int) -> list[Fault]:
+def random_schedule(rng: random.Random, faults: int, first: int, last: int,
+                    kinds: tuple[str, ...] = KINDS) -> list[Fault]:
     """Fault steps spread over [first, last], kinds mixed: every kind appears when there are at
-    least as many faults as kinds."""
-    kinds = list(KINDS) * (faults // len(KINDS) + 1)
-    chosen = kinds[:faults] if faults >= len(KINDS) else rng.sample(KINDS, faults)
+    least as many faults as kinds. A network fault lasts netfaults.DEFAULT_SECONDS."""
+    pool = list(kinds) * (faults // len(kinds) + 1)
+    chosen = pool[:faults] if faults >= len(kinds) else rng.sample(kinds, faults)
     rng.shuffle(chosen)
     gap = (last - first) // max(faults, 1)
-    return [Fault(step=first + i * gap + rng.randrange(max(gap // 3, 1)), kind=kind)
+    return [Fault(step=first + i * gap + rng.randrange(max(gap // 3, 1)), kind=kind,
+                  seconds=netfaults.DEFAULT_SECONDS if kind in netfaults.NET_KINDS else None)
             for i, kind in enumerate(chosen)]
 
 
 def parse_schedule(text: str) -> list[Fault]:
-    """``STEP:KIND[:NODE],...``: e.g. ``40:kill-node:0,90:join``."""
+    """``STEP:KIND[:NODE[:SECONDS]],...``: e.g. ``40:kill-node:0,90:join,150:cut-node::30``
+    (SECONDS for a network fault: netfaults.DEFAULT_SECONDS when not said; NODE empty: any)."""
     faults = []
     for item in text.split(","):
-        step, kind, *node = item.split(":")
-        if kind not in KINDS:
-            raise SystemExit(f"chaos: unknown fault kind {kind!r} (one of {', '.join(KINDS)})")
-        faults.append(Fault(step=int(step), kind=kind, node=int(node[0]) if node else None))
+        step, kind, *rest = item.split(":")
+        if kind not in ALL_KINDS:
+            raise SystemExit(f"chaos: unknown fault kind {kind!r} "
+                             f"(one of {', '.join(ALL_KINDS)})")
+        node, seconds = (rest + ["", ""])[:2]
+        network = kind in netfaults.NET_KINDS
+        if seconds and not network:
+            raise SystemExit(f"chaos: {item}: only a network fault lasts some seconds")
+        faults.append(Fault(step=int(step), kind=kind, node=int(node) if node else None,
+                            seconds=(float(seconds) if seconds else netfaults.DEFAULT_SECONDS)
+                            if network else None))
     return sorted(faults, key=lambda f: f.step)
 
 
-def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
-    """Carries the fault out; False when it cannot be (e.g. no node may be taken)."""
+def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> netfaults.Strike | bool:
+    """Carries the fault out; False when it cannot be (e.g. no node may be taken). A network
+    fault: its :class:`netfaults.Strike`, which heals by itself."""
     fault.old_workers = cluster.workers()
+    if fault.kind in netfaults.NET_KINDS:
+        return strike(fault, cluster, rng) or False
     if fault.kind == "join":
         if len(cluster.alive()) >= cluster.max_nodes:
             return False
@@ -312,14 +248,10 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
         fault.at = time.time()
         fault.node = cluster.start_node()
         return True
-    victims = cluster.victims()
-    if fault.node is None and victims:
-        fault.node = rng.choice(victims)
-    if fault.node not in victims:
+    if not take_victim(fault, cluster, rng):
         return False
     agent = cluster.nodes[fault.node]
-    fault.survivors = [pid for node, proc in cluster.nodes.items() if node != fault.node
-                       for pid in worker_pids(proc.pid)]
+    fault.survivors = cluster.workers(but=fault.node)
     fault.at = time.time()
     if fault.kind == "kill-node":
         kill_tree(agent.pid)
@@ -331,6 +263,63 @@ def inject(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
     elif fault.kind in ("preempt-node", "leave"):  # a scheduler taking the node (preempt-node
         agent.send_signal(signal.SIGTERM)          # gives it back a few seconds later)
     return True
+
+
+def take_victim(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
+    """The fault's node: the one it names, or one drawn; False when it may not be taken."""
+    victims = cluster.victims()
+    if fault.node is None and victims:
+        fault.node = rng.choice(victims)
+    return fault.node in victims
+
+
+def strike(fault: Fault, cluster: Cluster, rng: random.Random) -> netfaults.Strike | None:
+    """A network fault on its node's host (the store's outage: on the store's), or None when
+    no node may be taken. The healthy are every node's workers but its node's."""
+    if netfaults.needs_node(fault.kind):
+        if not take_victim(fault, cluster, rng):
+            return None
+        host = cluster.host_of[fault.node]
+    elif cluster.store != "external":
+        return None
+    else:
+        host = netfaults.STORE_HOST
+    fault.survivors = cluster.workers(but=fault.node)
+    hit = netfaults.Strike(cluster.network, fault.kind, host, fault.seconds)
+    hit.start()
+    fault.at = hit.at
+    return hit
+
+
+def watch_network(fault: Fault, hit: netfaults.Strike, observer: Observer,
+                  deadline: float) -> None:
+    """Times the job's answer to a network fault: from its start until the job steps at its
+    size again after the heal (or COMEBACK_S has passed since the heal, or the job ended);
+    then how it answered (:func:`netfaults.answer`), its first step after the fault, and
+    whether the healthy nodes' workers are still the processes they were."""
+    while True:
+        if hit.healed is not None:
+            back = observer.world_size(since=hit.healed)
+            if back is not None and back >= (fault.size_before or 0):
+                fault.came_back = True
+                break
+            if time.time() > hit.healed + COMEBACK_S:
+                fault.came_back = False
+                break
+        if observer.finished():
+            break
+        if time.time() > deadline:
+            raise TimeoutError(f"the job did not get back to its size after {fault.describe()}")
+        time.sleep(0.1)
+    hit.heal()
+    fault.healed = hit.healed
+    fault.survivors_kept = all(map(is_running, fault.survivors))
+    done = sorted(step_times(observer.audit()).values())
+    fault.first_step = next((t for t, _ in done if t > fault.at), None)
+    answer = netfaults.answer(observer.events(), fault.at, time.time(), event_time)
+    fault.recovery, fault.noticed, fault.restarted = (answer.recovery, answer.noticed,
+                                                      answer.regrouped)
+    fault.grows = answer.grows
 
 
 def watch_skip(fault: Fault, observer: Observer, timeout: float) -> None:
@@ -550,13 +539,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes at most (3)")
     parser.add_argument("--start-nodes", type=int, default=2, help="nodes at the start (2)")
-    parser.add_argument("--faults", type=int, default=len(KINDS),
-                        help=f"random faults to inject ({len(KINDS)}: one of each kind)")
+    parser.add_argument("--faults", type=int, default=None,
+                        help=f"random faults to inject (one of each kind: {len(KINDS)}, with "
+                             f"--hosts netns {len(ALL_KINDS)})")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random schedule (0)")
     parser.add_argument("--schedule", default="",
-                        help="STEP:KIND[:NODE],... instead of random faults")
-    parser.add_argument("--steps", type=int, default=2000,
-                        help="optimizer steps of the job (2000: about a minute without faults)")
+                        help="STEP:KIND[:NODE[:SECONDS]],... instead of random faults")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="optimizer steps of the job (2000: about a minute without faults; "
+                             f"{STEPS_PER_NETWORK_FAULT} more for each network fault)")
     parser.add_argument("--store", choices=("external", "agent"), default="external",
                         help="who serves the rendezvous store (external)")
     parser.add_argument("--tolerance", type=float, default=0.02,
@@ -564,6 +555,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-reference", dest="reference", action="store_false",
                         help="skip the uninterrupted run and the accuracy check (smoke runs)")
     parser.add_argument("--nproc-per-node", type=int, default=1, help="workers per node (1)")
+    parser.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                        help="the nodes on loopback, or each a host of its own, a network "
+                             "namespace (root only; scripts/hosts.py), where the network's "
+                             "faults can be had too (loopback)")
     parser.add_argument("--launch", choices=("node.sh", "torchrun"), default="node.sh",
                         help="each node's agent: jobs/node.sh, or the README's multi-node "
                              "torchrun line with jobs/node.sh's rendezvous timing "
@@ -578,7 +573,9 @@ def main(argv: list[str] | None = None) -> int:
                              "must have samples in every step (64)")
     parser.add_argument("--workdir", type=Path, default=None,
                         help="where data, checkpoints and logs go (default: a temp folder)")
-    parser.add_argument("--timeout", type=float, default=600, help="seconds for the whole job")
+    parser.add_argument("--timeout", type=float, default=None,
+                        help="seconds for the whole job (600, and 150 more for each network "
+                             "fault)")
     parser.add_argument("--rdzv-defaults", action="store_true",
                         help="torchrun's default rendezvous timing instead of jobs/node.sh's")
     parser.add_argument("--recovery", choices=("auto", "in-process", "restart"), default="auto",
@@ -597,11 +594,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.start_nodes <= args.nodes:
         parser.error("--start-nodes must be between 1 and --nodes")
+    if args.hosts == "netns" and hosts.unavailable():
+        parser.error(f"--hosts netns: {hosts.unavailable()}")
     if args.readme_section and markers.holder(args.readme_section) is None:
         parser.error(f"neither README.md nor docs/ has a {markers.markers(args.readme_section)[0]} "
                      "marker")
 
     rng = random.Random(args.seed)
+    kinds = (tuple(k for k in ALL_KINDS if args.store == "external" or k != "store-outage")
+             if args.hosts == "netns" else KINDS)
+    count = len(kinds) if args.faults is None else args.faults
+    scheduled = parse_schedule(args.schedule) if args.schedule else []
+    network_faults = ([f.kind for f in scheduled if f.kind in netfaults.NET_KINDS]
+                      if args.schedule else
+                      [""] * round(count * (len(kinds) - len(KINDS)) / len(kinds)))
+    if args.steps is None:
+        args.steps = 2000 + STEPS_PER_NETWORK_FAULT * len(network_faults)
+    if args.timeout is None:
+        args.timeout = 600 + 150 * len(network_faults)
+    faults = scheduled or random_schedule(rng, count, args.steps // 10, args.steps * 3 // 4,
+                                          kinds)
+    if network_faults and args.hosts != "netns":
+        parser.error(f"{network_faults[0]} is a network fault: it needs --hosts netns")
+    if any(f.kind == "store-outage" for f in faults) and args.store != "external":
+        parser.error("store-outage needs --store external (the store on a host of its own)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},
@@ -625,21 +641,23 @@ def main(argv: list[str] | None = None) -> int:
                   "--audit-samples", "--device", "cpu", "--recovery", args.recovery,
                   *(["--hang-timeout", str(args.hang_timeout)] if args.hang_timeout else [])]
     (workdir / "train_args.json").write_text(json.dumps(train_args))
-    faults = (parse_schedule(args.schedule) if args.schedule else
-              random_schedule(rng, args.faults, args.steps // 10, args.steps * 3 // 4))
     poisoned = [f"nan-grad@{f.step}:0" for f in faults if f.kind == "nan-grad"]
     if poisoned:  # decided before the job starts: the workers read it from their environment
         env[FAULT_VAR] = ",".join(poisoned)
-    print(f"chaos: {args.start_nodes} of up to {args.nodes} nodes, store {args.store}, "
+    print(f"chaos: {args.start_nodes} of up to {args.nodes} nodes on {args.hosts}, "
+          f"store {args.store}, "
           f"{len(faults)} faults: {', '.join(f'{f.kind}@{f.step}' for f in faults)}")
     print(f"chaos: work folder {workdir}")
 
     reference_accuracy = (run_reference(workdir, ["train", *train_args], env)
                           if args.reference else None)
+    network = (hosts.Network(network_hosts(args.nodes, args.store)).open()
+               if args.hosts == "netns" else None)
     cluster = Cluster(workdir, train_args, args.nodes, args.store, env, args.nproc_per_node,
-                      args.launch, args.rdzv_backend)
+                      args.launch, args.rdzv_backend, network)
     observer = Observer(shared / "runs" / "chaos")
     failures: list[str] = []
+    strikes: list[netfaults.Strike] = []
     deadline = time.time() + args.timeout
     started, first_step, exits = time.time(), None, {}
     try:
@@ -670,17 +688,24 @@ def main(argv: list[str] | None = None) -> int:
                 failures.append(f"the job finished before the fault at step {fault.step}")
                 break
             ours = args.rdzv_backend == "elastic-mnist"
-            fault.expected = ("in-process" if in_process and (
+            fault.expected = ("any" if fault.kind in netfaults.NET_KINDS  # not judged here
+                              else "in-process" if in_process and (
                 fault.kind in OURS_IN_PROCESS_KINDS if ours else
                 fault.kind in IN_PROCESS_KINDS and (fault.kind != "hang-worker"
                                                     or args.nproc_per_node == 1))
                 else "restart")
             fault.step = max(fault.step, observer.step())
             fault.size_before = observer.world_size()
-            if not inject(fault, cluster, rng):
+            hit = inject(fault, cluster, rng)
+            if not hit:
                 print(f"chaos: {fault.kind} at step {fault.step} skipped (no node to take)")
                 continue
             print(f"chaos: {fault.describe()} at step {fault.step}")
+            if isinstance(hit, netfaults.Strike):
+                strikes.append(hit)
+                watch_network(fault, hit, observer, deadline)
+                settled = observer.step()
+                continue
             # Bounded by the job's deadline alone: a restart at 32 ranks on 2 cores takes up to
             # two minutes (32 processes importing torch and meeting), and one more fault-sized
             # cap would cut it short.
@@ -700,7 +725,11 @@ def main(argv: list[str] | None = None) -> int:
     except TimeoutError as e:
         failures.append(str(e))
     finally:
+        for hit in strikes:
+            hit.heal()
         cluster.stop()
+        if network is not None:
+            network.close()
 
     if not observer.finished():
         failures.append("the job did not finish")
@@ -763,6 +792,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps({
             "failures": failures, "rdzv_defaults": args.rdzv_defaults, "store": args.store,
+            "hosts": args.hosts,
             "rdzv_backend": args.rdzv_backend,
             "launch": args.launch, "nproc_per_node": args.nproc_per_node,
             "first_step_s": first_step["time"] - started if first_step else None,
@@ -774,9 +804,12 @@ def main(argv: list[str] | None = None) -> int:
                         "survivors_kept": f.survivors_kept,
                         **{name: None if t is None else t - f.at
                            for name, t in (("noticed_s", f.noticed), ("restarted_s", f.restarted),
-                                           ("first_step_s", f.first_step))},
+                                           ("first_step_s", f.first_step),
+                                           ("healed_s", f.healed))},
                         "gap_s": f.gap_s, "full_s": f.full_s,
-                        "steps_redone": f.steps_redone, "job_done_first": f.job_done_first}
+                        "steps_redone": f.steps_redone, "job_done_first": f.job_done_first,
+                        "size_before": f.size_before, "seconds": f.seconds,
+                        "came_back": f.came_back, "grows": f.grows}
                        for f in faults if f.at]}, indent=2))
     for failure in failures:
         print(f"FAIL {failure}")

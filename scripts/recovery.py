@@ -222,7 +222,7 @@ def by_hand() -> str:
     given = dict(zip(flags[::2], flags[1::2]))
     node = SimpleNamespace(env={}, max_nodes=int(given["--nodes"]), rdzv_backend="elastic-mnist",
                            nproc_per_node=int(given["--nproc-per-node"]), port="PORT",
-                           train_args=["..."])
+                           train_args=["..."], network=None, endpoint_host="127.0.0.1")
     argv = ["torchrun", *chaos.Cluster.torchrun_line(node, is_host=True)[3:]]
     lines, line = [], "   "
     for word in argv:
