@@ -2,7 +2,7 @@
 """Churn: a job kept under faults for minutes, one every 20-30 s, and what they cost.
 
     scripts/churn.py [--minutes 10] [--every 20:30] [--nodes 3] [--nproc-per-node 2]
-                     [--json FILE] [--plot FILE] [--readme-section churn]
+                     [--hosts loopback|netns] [--json FILE] [--plot FILE] [--readme-section churn]
 
 Starts NODES simulated nodes of NPROC_PER_NODE workers on loopback (chaos.py's Cluster: each its
 own torchrun agent through jobs/node.sh, the store served by ``elastic-mnist rendezvous``), and
@@ -14,6 +14,13 @@ while MINUTES pass injects a fault every EVERY seconds, cycling through:
     preempt-node  SIGTERM to a node's agent (its node leaves), requeued a few seconds later
     hang-worker   SIGSTOP of one worker with a sibling (the sibling's watchdog ends it; its agent
                   restarts that node)
+
+With ``--hosts netns`` each node is a host of its own (chaos.py's ``--hosts netns``) and the cycle
+goes on with faults of the network, each healed after NET_SECONDS (scripts/netfaults.py):
+
+    cut-node      every link of a node cut, silently
+    cut-control   a node's link to the store cut: it still reaches its peers
+    store-outage  the store cut from every node: they still reach each other
 
 It first runs the same job without faults for CALIBRATE_S, for its steady step rate; the churn
 job is sized to run about MINUTES at that rate and then goes on to its last step without
@@ -43,11 +50,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import chaos
+import hosts
 import markers
+from cluster import network_hosts
 from processes import LAUNCHER_VARS
 
 REPO = Path(__file__).resolve().parents[1]
 CYCLE = ("kill-node", "join", "kill-worker", "preempt-node", "hang-worker")
+NETWORK_CYCLE = ("cut-node", "cut-control", "store-outage")
+NET_SECONDS = 10.0
+"""How long each network fault of the cycle lasts before it heals."""
 CALIBRATE_S = 60.0
 CHECK_AFTER_S = 15.0
 """When the healthy nodes' workers are looked for, after a fault (before the next one)."""
@@ -66,7 +78,10 @@ class Blow:
     """Worker PIDs, by node, of the nodes the fault did not touch, when it struck."""
     lost_s: float | None = None
     healthy_restarted: list[int] | None = None
-    """Of :attr:`healthy`, those gone CHECK_AFTER_S after the fault (None: not checked yet)."""
+    """Of :attr:`healthy`, those gone CHECK_AFTER_S after the fault, or after its heal (None: not
+    checked yet)."""
+    seconds: float = 0.0
+    """How long the fault lasts (a network fault's; the others are instants)."""
 
 
 def step_times(observer: chaos.Observer) -> dict[int, float]:
@@ -83,12 +98,20 @@ def normal_step(times: dict[int, float]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
+def open_network(where: str, nodes: int) -> hosts.Network | None:
+    """The hosts of their own of a cluster of ``nodes`` (``--hosts netns``), or None."""
+    if where != "netns":
+        return None
+    return hosts.Network(network_hosts(nodes, "external")).open()
+
+
 def calibrate(workdir: Path, train_args: list[str], env: dict[str, str], nodes: int,
-              nproc: int) -> float:
+              nproc: int, network: hosts.Network | None = None) -> float:
     """Steps per second of the job without faults, in its steady state."""
     args = [a.replace(str(workdir / "shared"), str(workdir / "calibration"))
             for a in train_args]
-    cluster = chaos.Cluster(workdir / "calibration", args, nodes, "external", env, nproc)
+    cluster = chaos.Cluster(workdir / "calibration", args, nodes, "external", env, nproc,
+                            network=network)
     (workdir / "calibration").mkdir(parents=True, exist_ok=True)
     observer = chaos.Observer(workdir / "calibration" / "runs" / "chaos")
     try:
@@ -116,8 +139,11 @@ def strike(kind: str, cluster: chaos.Cluster, rng: random.Random, lost: list[int
         victims = [n for n in cluster.victims() if not cluster.stopped(n)]
         if not victims:
             return None
-        blow.node = rng.choice(victims)
-        fault = chaos.Fault(step=0, kind=kind, node=blow.node)
+        blow.node = rng.choice(victims) if kind != "store-outage" else None
+        network = kind in NETWORK_CYCLE
+        blow.seconds = NET_SECONDS if network else 0.0
+        fault = chaos.Fault(step=0, kind=kind, node=blow.node,
+                            seconds=NET_SECONDS if network else None)
         if not chaos.inject(fault, cluster, rng):
             return None
         blow.at = fault.at
@@ -135,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3, help="simulated nodes (3)")
     parser.add_argument("--nproc-per-node", type=int, default=2, help="workers per node (2)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hosts", choices=("loopback", "netns"), default="loopback",
+                        help="the nodes on loopback, or each a host of its own, with the "
+                             "network's faults in the cycle (root only; loopback)")
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None, help="also write the results here")
     parser.add_argument("--plot", type=Path, default=None,
@@ -166,11 +195,21 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"churn: calibrating {args.nodes} x {args.nproc_per_node} without faults "
           f"({CALIBRATE_S:.0f} s); work folder {workdir}")
-    rate = calibrate(workdir, train_args(10**6), env, args.nodes, args.nproc_per_node)
+    if args.hosts == "netns" and hosts.unavailable():
+        parser.error(f"--hosts netns: {hosts.unavailable()}")
+    cycle = CYCLE + (NETWORK_CYCLE if args.hosts == "netns" else ())
+    network = open_network(args.hosts, args.nodes)
+    try:
+        rate = calibrate(workdir, train_args(10**6), env, args.nodes, args.nproc_per_node,
+                         network)
+    finally:
+        if network is not None:
+            network.close()
     steps = int(rate * args.minutes * 60)
     print(f"churn: {rate:.2f} steps/s without faults; the churn job runs {steps} steps")
+    network = open_network(args.hosts, args.nodes)
     cluster = chaos.Cluster(workdir, train_args(steps), args.nodes, "external", env,
-                            args.nproc_per_node)
+                            args.nproc_per_node, network=network)
     observer = chaos.Observer(shared / "runs" / "chaos")
     blows: list[Blow] = []
     failures: list[str] = []
@@ -182,13 +221,14 @@ def main(argv: list[str] | None = None) -> int:
             cluster.start_node()
         chaos.watch_start(observer, time.time() + 300)
         churn_end = time.time() + args.minutes * 60
-        kinds = iter(CYCLE * 1000)
+        kinds = iter(cycle * 1000)
         next_at = time.time() + rng.uniform(*every)
         while not observer.finished() and time.time() < deadline:
             cluster.alive()
             now = time.time()
             for blow in blows:
-                if blow.healthy_restarted is None and now - blow.at >= CHECK_AFTER_S:
+                if (blow.healthy_restarted is None
+                        and now - blow.at >= blow.seconds + CHECK_AFTER_S):
                     blow.healthy_restarted = [pid for pids in blow.healthy.values()
                                               for pid in pids if not chaos.is_running(pid)]
             if now >= next_at and now < churn_end and observer.step() < steps - rate * QUIET_S:
@@ -196,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                 blow = strike(kind, cluster, rng, lost)
                 if blow is not None:
                     blows.append(blow)
-                    print(f"churn: {kind} n{blow.node} at step {observer.step()}")
+                    where = "" if blow.node is None else f" n{blow.node}"
+                    print(f"churn: {kind}{where} at step {observer.step()}")
                     if kind == "preempt-node":  # requeued, as a scheduler would
                         time.sleep(chaos.REQUEUE_DELAY_S)
                         lost.remove(blow.node)
@@ -206,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
         chaos.watch_exits(cluster, observer, timeout=30)
     finally:
         cluster.stop()
+        if network is not None:
+            network.close()
 
     times = step_times(observer)
     normal = normal_step(times)
@@ -234,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = ["| fault | count | seconds lost (median, max) | healthy restarted |",
             "| --- | ---: | ---: | --- |"]
-    for kind in CYCLE:
+    for kind in cycle:
         mine = [b for b in blows if b.kind == kind]
         if mine:
             lost_s = [b.lost_s or 0.0 for b in mine]
