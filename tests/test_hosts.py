@@ -98,26 +98,35 @@ def probe(client: subprocess.Popen, line: str) -> dict:
     return json.loads(client.stdout.readline())
 
 
-@pytest.fixture
-def connection():
-    """A network, an echo server on the store's host and a client on node0 connected to it
-    over node0's control link."""
+@pytest.fixture(scope="module")
+def served():
+    """A network and an echo server on the store's host, for every test of a connection."""
     with hosts.Network(SPEC) as net:
         server = subprocess.Popen(net.command("store", [sys.executable, PROBE, "serve", "store",
                                                         "7001"]),
                                   stdout=subprocess.PIPE, text=True)
-        assert json.loads(server.stdout.readline())["listening"]
-        client = subprocess.Popen(net.command("node0", [sys.executable, PROBE, "client", "store",
-                                                        "7001"]),
-                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
-            assert json.loads(client.stdout.readline())["connected"]
-            yield net, client
+            assert json.loads(server.stdout.readline())["listening"]
+            yield net
         finally:
-            client.kill()
             server.kill()
-            client.wait()
             server.wait()
+
+
+@pytest.fixture
+def connection(served):
+    """A client on node0 connected to the echo server over node0's control link; node0's links
+    healed after the test, whatever it did to them."""
+    client = subprocess.Popen(served.command("node0", [sys.executable, PROBE, "client", "store",
+                                                       "7001"]),
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(client.stdout.readline())["connected"]
+        yield served, client
+    finally:
+        client.kill()
+        client.wait()
+        served.heal("node0")
 
 
 @pytest.mark.parametrize("direction", ["both", "in", "out"])
