@@ -1,0 +1,262 @@
+#!/usr/bin/env python3
+"""Machines that fail by the network: what each partition costs the healthy nodes, against the
+targets of issue 42.
+
+    scripts/partitions.py [--cases kill,cut-60,...] [--launch node.sh|torchrun] [--strict]
+                          [--json FILE] [--readme-section partitions]
+
+Each case is one chaos run (scripts/chaos.py ``--hosts netns``): 3 nodes × 2 workers, each node a
+host of its own (a network namespace with its own host name, a control link to the store and a
+data link to its peers, ``GLOO_SOCKET_IFNAME=data``; scripts/hosts.py), the store
+``elastic-mnist rendezvous`` on a host of its own on the control bridge, our rendezvous,
+checkpoints in one shared folder, every node launched by ``jobs/node.sh`` (or, with ``--launch
+torchrun``, by the README's multi-node torchrun line). At step LEAD_STEP one fault strikes node 2
+(or the store) and heals after its seconds; the cases run one after another:
+
+    kill          the node SIGKILLed, for comparison (the kernel answers for it: connections reset)
+    cut-60        all its links cut for 60 s: silent, as a machine whose power failed
+    cut-5         all its links cut for 5 s: a blip
+    data-30       its data link cut for 30 s: it reaches the store, not its peers
+    control-30    its control link cut for 30 s: it reaches its peers, not the store
+    out-30        its data link dropped one way for 30 s: it hears its peers, they do not hear it
+    store-30      the store cut from every node for 30 s: the peers still reach each other
+    flap          every link of the node down 3 s and up 3 s, for 30 s
+    slow          its data link slowed to 4 Mbit/s for 30 s (tc tbf)
+
+Per case: the healthy nodes' longest wait between two steps (from the fault until the job steps
+at its size again after the heal), the seconds to the job's first step after the fault, how the
+job answered (rode it out, in process, or a restart), whether any healthy process restarted (a
+worker of the untouched nodes that is no longer running), whether the job was back at its size
+after the heal, whether every sample was used exactly once (scripts/check_audit.py), and the
+target, met or NOT MET. Most targets are not met today: they are what issue 42's later items
+build. Exit 1 where the harness failed or a sample was lost or doubled; with --strict also where
+a target is not met. Needs root and network namespaces (``scripts/hosts.py check``). About 17
+minutes on 2 cores; ``make partitions``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import chaos
+import hosts
+import markers
+
+from elastic_mnist.config import TrainConfig
+
+LEAD_STEP = 100
+"""The step at which the fault strikes: the job past its start-up, every rank warm."""
+VICTIM = 2
+"""The node each fault strikes (of 0, 1, 2; the store's outage strikes the store)."""
+STEPS_PER_S = 25.0
+"""Steps a second of the job at 4 ranks on this 2-core machine (19 at 6): a case's job is long
+enough to be back after the heal before it ends (see ``--steps-per-second``)."""
+HANG_TIMEOUT = TrainConfig().run.hang_timeout
+"""The job's --hang-timeout: its default, which the cases run with."""
+COMEBACK_S = 20.0
+"""Steps given to the job after the heal, in seconds of steps, before its tail."""
+TAIL_STEPS = 200
+
+
+@dataclass(frozen=True)
+class Case:
+    """One fault, in the words of the table, and its target."""
+
+    what: str
+    kind: str
+    seconds: float | None
+    target: str
+    met: Callable[[dict], bool]
+    """Whether a fault's record (chaos's ``--json``) meets the target."""
+    needs: str | None = None
+    """What of :data:`hosts.CAPABILITIES` the fault needs beyond namespaces: without it, the
+    case is skipped, and its row says why."""
+
+
+def healthy(f: dict) -> bool:
+    return bool(f["survivors_kept"])
+
+
+def within(f: dict, seconds: float) -> bool:
+    return f["gap_s"] is not None and f["gap_s"] <= seconds
+
+
+ONE_SIDED = f"≤ hang timeout + 2 s ({HANG_TIMEOUT + 2:g}), nobody healthy restarts, back after"
+
+
+def one_sided(f: dict) -> bool:
+    return within(f, HANG_TIMEOUT + 2) and healthy(f) and bool(f["came_back"])
+
+
+CASES = {
+    "kill": Case("a node SIGKILLed (for comparison)", "kill-node", None,
+                 "≤ 2 s, in process", lambda f: within(f, 2) and f["recovery"] == "in-process"
+                 and healthy(f)),
+    "cut-60": Case("a node's links cut for 60 s", "cut-node", 60,
+                   "≤ 2 s like a crash, in process, back after",
+                   lambda f: within(f, 2) and healthy(f) and bool(f["came_back"])),
+    "cut-5": Case("a node's links cut for 5 s", "cut-node", 5,
+                  "≤ blip + 1 s (6), nobody dropped",
+                  lambda f: within(f, 6) and f["recovery"] == "none" and healthy(f)),
+    "data-30": Case("a node's data link cut for 30 s (it reaches the store, not its peers)",
+                    "cut-data", 30, ONE_SIDED, one_sided),
+    "control-30": Case("a node's control link cut for 30 s (it reaches its peers, not the "
+                       "store)", "cut-control", 30, ONE_SIDED, one_sided),
+    "out-30": Case("a node's data link dropped one way for 30 s (its peers do not hear it)",
+                   "cut-out", 30, ONE_SIDED, one_sided, needs="one-way"),
+    "store-30": Case("the store unreachable from every node for 30 s (the peers still reach "
+                     "each other)", "store-outage", 30,
+                     "goes on (≤ 2 s), nobody dropped, no restart",
+                     lambda f: within(f, 2) and f["recovery"] == "none" and healthy(f)),
+    "flap": Case("a node flapping for 30 s (every link down 3 s, up 3 s)", "flap-node", 30,
+                 f"each drop ≤ {HANG_TIMEOUT + 2:g} s, nobody healthy restarts, back after",
+                 one_sided),
+    "slow": Case("a node's data link slowed to 4 Mbit/s for 30 s", "slow-link", 30,
+                 "nobody dropped, no restart (no target in the issue)",
+                 lambda f: f["recovery"] == "none" and healthy(f), needs="slow"),
+}
+
+
+def steps_for(case: Case, rate: float) -> int:
+    """The job's steps: the lead, the fault and the way back at ``rate``, and a tail."""
+    return LEAD_STEP + int(rate * ((case.seconds or 0) + COMEBACK_S)) + TAIL_STEPS
+
+
+def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dict:
+    """One chaos run of ``case``; its fault's record, with the run's failures beside it."""
+    workdir = root / name
+    out = workdir / "faults.json"
+    schedule = f"{LEAD_STEP}:{case.kind}:" + (
+        "" if case.kind == "store-outage" else str(VICTIM)) + (
+        f":{case.seconds:g}" if case.seconds else "")
+    argv = ["--hosts", "netns", "--nodes", "3", "--start-nodes", "3", "--nproc-per-node", "2",
+            "--store", "external", "--launch", launch, "--schedule", schedule,
+            "--steps", str(steps_for(case, rate)), "--no-reference",
+            "--timeout", str(600 + 2 * (case.seconds or 0)),
+            "--workdir", str(workdir), "--json", str(out)]
+    print(f"partitions: {name}: scripts/chaos.py {' '.join(argv)}", flush=True)
+    try:
+        chaos.main(argv)
+    except SystemExit as e:  # chaos refused its flags
+        raise RuntimeError(f"{name}: chaos exited {e.code}") from None
+    report = json.loads(out.read_text())
+    if not report["faults"]:
+        raise RuntimeError(f"{name}: the fault never struck ({report['failures']})")
+    return {**report["faults"][-1], "failures": report["failures"]}
+
+
+def exactly_once(record: dict) -> bool:
+    return not any(f.startswith("sample audit") for f in record["failures"])
+
+
+def answered(f: dict) -> str:
+    words = {"none": "rode it out", "in-process": "in process", "restart": "restart"}
+    said = words.get(f["recovery"], "—")
+    if f.get("grows"):
+        said += f", {f['grows']} admitted back" if f["grows"] > 1 else ", admitted back"
+    return said
+
+
+def came_back(f: dict) -> str:
+    if f["kind"] == "kill-node":
+        return "—"
+    return {True: "yes", False: "no", None: "job ended first"}[f["came_back"]]
+
+
+def seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def table(results: dict[str, dict]) -> str:
+    rows = [("| what failed | others' longest wait (s) | first step after (s) | answered | "
+             "healthy restarted | back after | exactly once | target | met |"),
+            "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- |"]
+    for name, f in results.items():
+        case = CASES[name]
+        if "error" in f or "skipped" in f:
+            said = (f"harness failed: {f['error']}" if "error" in f
+                    else f"skipped: this machine cannot ({f['skipped']})")
+            rows.append(f"| {case.what} | — | — | {said} | — | — | — | {case.target} | — |")
+            continue
+        rows.append(f"| {case.what} | {seconds(f['gap_s'])} | {seconds(f['first_step_s'])} | "
+                    f"{answered(f)} | {'no' if healthy(f) else 'yes'} | {came_back(f)} | "
+                    f"{'yes' if exactly_once(f) else 'NO'} | {case.target} | "
+                    f"{'met' if case.met(f) else 'NOT MET'} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES),
+                        help=f"cases to run, comma-separated ({','.join(CASES)})")
+    parser.add_argument("--launch", choices=("node.sh", "torchrun"), default="node.sh",
+                        help="each node's agent: jobs/node.sh, or the README's multi-node "
+                             "torchrun line (node.sh)")
+    parser.add_argument("--steps-per-second", type=float, default=STEPS_PER_S,
+                        help=f"the job's steps a second at 4 ranks here, which sizes each case's "
+                             f"job ({STEPS_PER_S:g})")
+    parser.add_argument("--strict", action="store_true",
+                        help="also exit 1 where a target is not met")
+    parser.add_argument("--json", type=Path, default=None, help="also write the results here")
+    parser.add_argument("--readme-section", default=None, metavar="NAME",
+                        help="write the table between the NAME markers of the docs")
+    args = parser.parse_args(argv)
+    names = args.cases.split(",")
+    unknown = sorted(set(names) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; choose from {', '.join(CASES)}")
+    reason = hosts.unavailable()
+    if reason:
+        print(f"partitions: hosts of their own: {reason}", file=sys.stderr)
+        return 2
+    if args.readme_section and markers.holder(args.readme_section) is None:
+        parser.error(f"no page has a {markers.markers(args.readme_section)[0]} marker")
+    root = Path(tempfile.mkdtemp(prefix="partitions-"))
+    print(f"partitions: {len(names)} cases at 3 nodes × 2 workers; work folder {root}",
+          flush=True)
+    started = time.time()
+    needed = {CASES[n].needs for n in names} - {None}
+    lacking = ({k: v for k, v in hosts.capabilities().items() if v and k in needed}
+               if needed else {})
+    results: dict[str, dict] = {}
+    for name in names:
+        if CASES[name].needs in lacking:
+            results[name] = {"skipped": lacking[CASES[name].needs]}
+            print(f"partitions: {name} skipped: {hosts.CAPABILITIES[CASES[name].needs]}: "
+                  f"{lacking[CASES[name].needs]}", flush=True)
+            continue
+        try:
+            results[name] = run_case(name, CASES[name], root, args.launch,
+                                     args.steps_per_second)
+        except Exception as e:  # noqa: BLE001 - any of it is the harness's failure, said in a row
+            results[name] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"}
+    minutes = (time.time() - started) / 60
+    launched = "the README's torchrun line" if args.launch == "torchrun" else "jobs/node.sh"
+    summary = (f"{table(results)}\n\n3 nodes × 2 workers, each a host of its own, launched by "
+               f"{launched}, our rendezvous, the fault at step {LEAD_STEP} on node {VICTIM} (or "
+               f"the store); one run a case, {minutes:.0f} minutes in all. `make partitions`.")
+    print(summary)
+    harness = [n for n, f in results.items() if "error" in f]
+    measured = {n: f for n, f in results.items() if "error" not in f and "skipped" not in f}
+    doubled = [n for n, f in measured.items() if not exactly_once(f)]
+    unmet = [n for n, f in measured.items() if not CASES[n].met(f)]
+    if args.json:
+        args.json.write_text(json.dumps({"cases": results, "minutes": minutes}, indent=2))
+    if args.readme_section and not harness:
+        markers.rewrite(args.readme_section, summary)
+    for what, which in (("the harness failed", harness), ("a sample lost or doubled", doubled),
+                        ("targets not met", unmet)):
+        if which:
+            print(f"partitions: {what}: {', '.join(which)}")
+    return 1 if harness or doubled or (args.strict and unmet) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The partition harness's reading and judging, without a network or a launch (milliseconds):
+chaos's schedule of network faults, a network fault's heal, how a job's answer is read from its
+events, and scripts/partitions.py's targets and table. What the network itself does is
+tests/test_hosts.py's; a real run of every case is `make partitions`.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "scripts"))
+
+import chaos
+import netfaults
+import partitions
+
+
+def test_a_schedule_gives_network_faults_their_seconds_and_process_faults_none():
+    faults = chaos.parse_schedule("150:store-outage::30,100:cut-node:2:60,40:kill-node:0,"
+                                  "120:cut-data:1")
+    assert [(f.step, f.kind, f.node, f.seconds) for f in faults] == [
+        (40, "kill-node", 0, None), (100, "cut-node", 2, 60.0),
+        (120, "cut-data", 1, netfaults.DEFAULT_SECONDS), (150, "store-outage", None, 30.0)]
+    assert faults[1].describe() == "cut-node n2 60 s"
+    with pytest.raises(SystemExit, match="only a network fault lasts"):
+        chaos.parse_schedule("40:kill-node:0:5")
+
+
+def test_network_faults_need_hosts_of_their_own(capsys):
+    with pytest.raises(SystemExit):
+        chaos.main(["--schedule", "100:cut-node:2:5"])
+    assert "cut-node is a network fault: it needs --hosts netns" in capsys.readouterr().err
+
+
+class FakeNetwork:
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def cut(self, host, kind=None, direction="both"):
+        self.calls.append(("cut", host, kind, direction))
+
+    def heal(self, host, kind=None):
+        self.calls.append(("heal", host))
+
+
+def test_a_network_fault_heals_by_itself_once():
+    network = FakeNetwork()
+    hit = netfaults.Strike(network, "cut-out", "node2", 0.05)
+    hit.start()
+    time.sleep(0.3)
+    hit.heal()  # the harness's own heal, after the timer's: nothing more
+    assert network.calls == [("cut", "node2", "data", "out"), ("heal", "node2")]
+    assert 0.05 <= hit.healed - hit.at < 0.3
+
+
+def event(kind: str, at: float, **fields) -> dict:
+    stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(at))
+    return {"event": kind, "time": stamp, **{k: time.strftime(
+        "%Y-%m-%dT%H:%M:%S", time.localtime(v)) for k, v in fields.items()}}
+
+
+def test_the_jobs_answer_is_read_from_its_events():
+    def answer(events):
+        return netfaults.answer(events, 100.0, 200.0, chaos.event_time)
+
+    base = 1_700_000_000.0
+    assert answer([]).recovery == "none"
+    shrink = event("shrink", base + 111, detected_time=base + 110, regrouped_time=base + 111)
+    grow = event("grow", base + 140)
+    read = netfaults.answer([shrink, grow], base + 100, base + 200, chaos.event_time)
+    assert (read.recovery, read.noticed - base, read.regrouped - base, read.grows) == (
+        "in-process", 110, 111, 1)
+    restart = netfaults.answer([event("start", base + 150)], base + 100, base + 200,
+                               chaos.event_time)
+    assert (restart.recovery, restart.noticed - base) == ("restart", 50 + 100)
+    before = netfaults.answer([event("start", base + 50)], base + 100, base + 200,
+                              chaos.event_time)
+    assert before.recovery == "none"  # the job's own start, before the fault
+
+
+def record(**fields) -> dict:
+    return {"kind": "cut-node", "gap_s": 1.5, "first_step_s": 1.4, "recovery": "in-process",
+            "survivors_kept": True, "came_back": True, "grows": 1, "failures": [], **fields}
+
+
+def test_each_case_is_judged_against_its_target():
+    cases = partitions.CASES
+    assert cases["cut-60"].met(record())
+    assert not cases["cut-60"].met(record(gap_s=10.5))
+    assert not cases["cut-60"].met(record(came_back=False))
+    assert cases["cut-5"].met(record(gap_s=5.9, recovery="none"))
+    assert not cases["cut-5"].met(record(gap_s=5.9))  # dropped
+    assert cases["data-30"].met(record(gap_s=11.9))
+    assert not cases["data-30"].met(record(gap_s=11.9, survivors_kept=False))
+    assert not cases["store-30"].met(record(gap_s=0.3, recovery="restart"))
+    assert cases["slow"].met(record(gap_s=3.0, recovery="none"))
+
+
+def test_the_table_says_what_each_case_cost_and_whether_it_met_its_target():
+    rows = partitions.table({
+        "cut-60": record(gap_s=10.5, first_step_s=10.4),
+        "store-30": record(kind="store-outage", gap_s=92.5, recovery="restart",
+                           survivors_kept=False, failures=["sample audit: FAIL epoch 3"]),
+        "slow": {"error": "HostsError: ip link add: File exists"},
+        "out-30": {"skipped": "Error: Specified qdisc kind is unknown."}}).splitlines()
+    assert rows[2] == ("| a node's links cut for 60 s | 10.5 | 10.4 | in process, admitted back "
+                       "| no | yes | yes | ≤ 2 s like a crash, in process, back after | NOT MET |")
+    assert "| restart, admitted back | yes | yes | NO | goes on" in rows[3]
+    assert "harness failed: HostsError: ip link add: File exists" in rows[4]
+    assert "| skipped: this machine cannot (Error: Specified qdisc kind is unknown.) |" in rows[5]
