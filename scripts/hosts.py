@@ -288,7 +288,7 @@ class Network:
         REGISTRY.mkdir(mode=0o700, exist_ok=True)
         record = {"prefix": self.prefix, "pid": os.getpid(),
                   "started": psutil.Process().create_time(),
-                  "made_etc_netns": not ETC_NETNS.exists()}
+                  "made_etc_netns": _ours(ETC_NETNS)}
         path = REGISTRY / f"{self.prefix}.json"
         path.with_suffix(".tmp").write_text(json.dumps(record))
         path.with_suffix(".tmp").replace(path)
@@ -445,6 +445,16 @@ def _quiet(name: str, netns: str | None = None) -> None:
         (Path("/proc/sys/net/ipv6/conf") / name / "disable_ipv6").write_text("1")
     else:
         run("ip", *(["-n", netns] if netns else []), "link", "set", name, "addrgenmode", "none")
+
+
+def _ours(folder: Path) -> bool:
+    """Whether ``folder`` is ours to remove once empty: it is missing (this run makes it), or
+    it holds only what runs of ours made (one of them made it). An empty folder that was there
+    before is someone else's."""
+    if not folder.exists():
+        return True
+    entries = list(folder.iterdir())
+    return bool(entries) and all(p.name.startswith(FAMILY) for p in entries)
 
 
 def _exit_on_sigterm(signum, frame) -> None:
