@@ -170,7 +170,8 @@ def remove(prefix: str) -> None:
     for netns in mine["namespaces"]:
         run("ip", "netns", "del", netns, check=False)
     for path in mine["files"]:
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        # another run's sweep may be removing the same at the same time
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
     for folder, made in ((ETC_NETNS, record.get("made_etc_netns")), (REGISTRY, True)):
         if made:
             with contextlib.suppress(OSError):

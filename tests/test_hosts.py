@@ -193,6 +193,6 @@ def test_a_run_sweeps_what_a_run_whose_owner_is_gone_left_and_nothing_else():
             {"prefix": stale, "pid": int(dead), "started": 0.0}))
         hosts.run("ip", "netns", "add", f"{stale}-x")
         hosts.run("ip", "link", "add", f"{stale}d0", "type", "bridge")
-        assert stale in hosts.sweep()
+        hosts.sweep()  # (or another test's, running beside this one: the same sweep)
         assert hosts.made_by(stale) == {"namespaces": [], "links": [], "files": []}
         assert len(hosts.made_by(live.prefix)["namespaces"]) == 1
