@@ -13,6 +13,7 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from elastic_mnist.addresses import maybe_warn_unreachable_gloo
 from elastic_mnist.attempt_store import attempt_store
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EnvError
@@ -51,6 +52,7 @@ def process_group(env: DistEnv, device: torch.device,
     if not env.is_distributed:
         yield None
         return
+    maybe_warn_unreachable_gloo(env, backend_for(device))  # its node's local rank 0, in one line
     if device.type == "cuda":
         torch.cuda.set_device(device)
     store = None
