@@ -16,6 +16,7 @@ from elastic_mnist.audit import AuditLog
 from elastic_mnist.checkpoint import Manifest, write_run_file
 from elastic_mnist.checkpointer import Checkpointer, NullCheckpointer
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import DistEnv
 from elastic_mnist.events import EventLog, NullEventLog
 from elastic_mnist.logs import add_file_handler, setup_logging
@@ -25,6 +26,7 @@ from elastic_mnist.resilience.agreement import Change
 from elastic_mnist.resilience.faces import NullMembership
 from elastic_mnist.resilience.faults import Faults
 from elastic_mnist.resilience.fence import NullFence
+from elastic_mnist.resilience.silence import GenerationPulses
 from elastic_mnist.resilience.watchdog import NullWatchdog, Watchdog
 from elastic_mnist.state import Progress
 from elastic_mnist.writers import Writers
@@ -129,7 +131,10 @@ class Duties:
             report=partial(record_hang, env, events, self.run_dir, self.fence),
             go_on_without=partial(self.membership.declare, "hung",
                                   generation=self.membership.generation) if in_process else None,
-            store_host=None if in_process else 0, fence=self.fence)
+            store_host=None if in_process else 0, fence=self.fence,
+            silent=GenerationPulses(self.membership.connections.declare, self.membership.known,
+                                    self.membership.pulse_key) if in_process else None,
+            backend=backend_for(self.membership.device) if in_process else "")
 
 
 def record_checkpoint(metrics: NullMetrics, events: NullEventLog, checkpointer: Checkpointer,

@@ -31,6 +31,7 @@ from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity, node_sizes
 from elastic_mnist.resilience.faces import Member
+from elastic_mnist.resilience.flapping import Flapping
 from elastic_mnist.resilience.roster import JobRecord, Roster
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Admissions:
         self._pending = False
         """A join of the round waited for its workers at the last look."""
         self._failing = ""
+        self.flapping = Flapping()
+        """Nodes admitted again and again, and lost each time, are kept out a while."""
         self._stop = threading.Event()
         self._lock = threading.Lock()
         """Held while the job is published or decided on, and as it is closed."""
@@ -136,7 +139,8 @@ class Admissions:
         """Decides, once per generation, to admit the joins whose workers are all ready."""
         if self._decided is not None and self._decided[0] == generation:
             return
-        ready = self._ready(nodes(identities))
+        ready = [(join, serial, workers) for join, serial, workers
+                 in self._ready(nodes(identities)) if self.flapping.admissible(serial, join)]
         if not ready:
             return
         m, old = self.member, len(identities)
@@ -201,6 +205,7 @@ class Admissions:
             self.records.mark_admitted(self.round, join["join"], self.member.launch,
                                        change.generation)  # for the agents
             self._admitted.add(join["join"])
+            self.flapping.admitted(join["agent"], join["join"])
 
     def finish(self) -> None:
         """At the job's end: the thread stops, and rank 0 says the job finished."""

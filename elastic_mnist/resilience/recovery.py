@@ -65,6 +65,7 @@ from elastic_mnist.resilience.agreement import (
 from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.faces import Member
 from elastic_mnist.resilience.read_once import ReadOnce
+from elastic_mnist.resilience.silence import kill_stopped_siblings
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
 log = logging.getLogger(__name__)
@@ -110,6 +111,8 @@ class Recovery:
         try:
             fault = m.declare(why, list(suspects), detail)
             m.abort(fault)
+            if fault.why == "hung":  # a stopped sibling named hung leaves only when killed
+                kill_stopped_siblings(m.identity.agent)
             m.inject(self.phase)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by

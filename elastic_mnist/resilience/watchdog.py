@@ -40,6 +40,10 @@ of an evaluation, its checkpoint save and its logging are "busy", so that peers 
 a collective wait on. A collective itself is never busy: a rank hung during an evaluation is found
 as during a step.
 
+A peer whose process or links went silent is named sooner, by its pulse: the probers also watch
+the generation's pulses, and name a member whose pulse stopped for 1.5 s while their own step
+waits (silence.py), as they would name it at the deadline.
+
 Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
 the backend: gloo blocks inside the collective, NCCL returns at once and blocks at the next host
 sync, and both are the same wait to the watchdog.
@@ -55,12 +59,10 @@ import logging
 import os
 import platform
 import signal
-import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import timedelta
 from typing import Any
 
@@ -71,6 +73,9 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_HUNG, CannotTell
 from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
+from elastic_mnist.resilience.heartbeat import Heartbeat, Verdict, training_thread_position
+from elastic_mnist.resilience.reach import NO_REACH, cut_off_ranks, reach_for
+from elastic_mnist.resilience.silence import SilenceWatch
 
 log = logging.getLogger(__name__)
 
@@ -92,47 +97,6 @@ class StoreSilent(Exception):
 class WatchdogClosed(StoreSilent):
     """The watchdog was closed (its generation is over) before a store call could begin:
     nothing answers, and a verdict reached meanwhile is dropped, not declared."""
-
-
-@dataclass
-class Heartbeat:
-    rank: int
-    step: int
-    beat: int
-    busy: str
-    host: str
-    pid: int
-    ppid: int
-    where: str = ""
-    """The training thread's innermost Python frame: ``file:line function``."""
-    waiting: bool = False
-    """The training thread is inside :meth:`Watchdog.waiting`: waiting for its peers (in a
-    collective, or for a collective's result), not hanging them."""
-
-
-STDLIB = sysconfig.get_paths()["stdlib"]
-
-
-def training_thread_position(thread_id: int | None) -> str:
-    """Where a thread stands: its innermost frame outside the standard library."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
-        frame = frame.f_back
-    if frame is None:
-        return ""
-    code = frame.f_code
-    return f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
-
-
-@dataclass
-class Verdict:
-    """Why the group is hung, and who hangs it (empty when nobody can tell)."""
-
-    suspects: list[int]
-    silent: list[int]
-    """Ranks whose heartbeat stopped: not running at all."""
-    reason: str
-    heartbeats: dict[int, Heartbeat]
 
 
 def probers(world_size: int) -> list[int]:
@@ -169,11 +133,16 @@ class Watchdog(NullWatchdog):
     def __init__(self, env: DistEnv, store: Store, floor_s: float,
                  report: Callable[[dict[str, Any]], None], beat_s: float = BEAT_S,
                  go_on_without: Callable[[list[int], str], None] | None = None,
-                 store_host: int | None = 0, fence: NullFence = NO_FENCE):
+                 store_host: int | None = 0, fence: NullFence = NO_FENCE,
+                 silent: Callable[[], set[int] | None] | None = None, backend: str = ""):
         """``report(record)`` writes the ``hang`` event where this rank can;
         ``go_on_without(ranks, reason)``, where the survivors can go on in process, hands them
         the hung ranks instead of leaving; ``store_host``: the rank whose process serves
-        ``store`` (None when no rank does); ``fence``: the writers', asked before a verdict."""
+        ``store`` (None when no rank does); ``fence``: the writers', asked before a verdict;
+        ``silent()``: the members whose pulse stopped, which a prober watches between verdicts
+        (silence.py; None: no pulses, where the survivors cannot go on in process);
+        ``backend``: the group's, whose data network the node's first rank tries (reach.py;
+        none where empty, or where the survivors cannot go on in process)."""
         self.env, self.store, self.floor_s, self.report = env, store, floor_s, report
         self.fence = fence
         self.beat_s = beat_s
@@ -204,12 +173,23 @@ class Watchdog(NullWatchdog):
         self.training_thread = threading.get_ident()  # the one that builds the watchdog
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+        self._declaring = threading.Lock()  # two threads reach verdicts: the hang's, the silence's
+        self.silence = (SilenceWatch(env.rank, silent, self.stalled_s, self._declare_silent,
+                                     self._stop)
+                        if silent is not None and go_on_without is not None and self.prober
+                        else None)
+        self.reach = (reach_for(env.rank, env.local_rank, backend, store, self._call)
+                      if backend and go_on_without is not None else NO_REACH)
 
     # --- the training thread --------------------------------------------------------------------
 
     def start(self) -> None:
         self._publish()  # before the first step: once it is done, every rank's entry is there
+        with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
+            self.reach.announce()
         self._thread.start()
+        if self.silence is not None:
+            self.silence.start()
 
     def step_done(self, step: int, seconds: float) -> None:
         self.step = step
@@ -250,6 +230,13 @@ class Watchdog(NullWatchdog):
     def waiting_for_peers(self) -> bool:
         return self.waits > 0
 
+    def stalled_s(self) -> float | None:
+        """How long this rank has made no progress, None before its first step and while it is
+        busy with work of its own (nobody holds it up then)."""
+        if not self.armed or self.busy_with:
+            return None
+        return time.monotonic() - self.last_progress
+
     def deadline_s(self) -> float:
         return max(self.floor_s, STEPS_PER_DEADLINE * max(self.recent, default=0.0))
 
@@ -273,6 +260,7 @@ class Watchdog(NullWatchdog):
         if wait and self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join()
         self._calls.shutdown(wait=False)
+        self.reach.close()
 
     def _call(self, method: Callable[..., Any], *args: Any) -> Any:
         """``method(*args)`` on the store, or StoreSilent if it does not answer in time (at once
@@ -294,6 +282,7 @@ class Watchdog(NullWatchdog):
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             self._publish()
+            self.reach.beat(self.stalled_s(), self.deadline_s())
             if not self._probe_due():
                 continue
             if not self.prober:
@@ -369,7 +358,8 @@ class Watchdog(NullWatchdog):
         self.beats += 1
         beat = Heartbeat(rank=self.env.rank, step=self.step, beat=self.beats,
                          busy=self.busy_with, where=training_thread_position(self.training_thread),
-                         waiting=self.waiting_for_peers, **self.identity)
+                         waiting=self.waiting_for_peers, node=self.env.rank - self.env.local_rank,
+                         unreachable=list(self.reach.found), **self.identity)
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
             # Its fields are plain values: ``vars``, not ``asdict``'s deep copy of each.
             self._call(self.store.set, f"{PREFIX}{self.env.rank}", json.dumps(vars(beat)))
@@ -419,6 +409,10 @@ class Watchdog(NullWatchdog):
         if silent:
             return Verdict(silent, silent, "no heartbeat (stopped or wedged)", second)
         stuck = [r for r in ranks if not second[r].waiting]
+        if not stuck:  # all waiting: for a node that its peers cannot reach? (reach.py)
+            cut, why = cut_off_ranks(second)
+            if cut:
+                return Verdict(cut, [], why, second)
         where = "; ".join(f"rank {r} at {second[r].where}" for r in stuck)
         return Verdict(stuck, [], f"alive, not in a collective: {where}" if stuck else
                        "every rank alive and waiting in a collective", second)
@@ -435,7 +429,15 @@ class Watchdog(NullWatchdog):
             return True
         return False
 
+    def _declare_silent(self, ranks: list[int], reason: str) -> None:
+        """A prober's silence watch names ``ranks`` (silence.py): declared as a hang, at once."""
+        self._declare(Verdict(ranks, ranks, reason, {}))
+
     def _declare(self, verdict: Verdict) -> None:
+        with self._declaring:  # the first verdict closes the watchdog; the other is dropped
+            self._declare_once(verdict)
+
+    def _declare_once(self, verdict: Verdict) -> None:
         # Closed meanwhile (the training thread, woken by a peer's declaration, recovers while
         # the fence is asked): the generation is over, and so is this verdict.
         if self._fenced() or self._stop.is_set():

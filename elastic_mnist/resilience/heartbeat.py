@@ -1,0 +1,54 @@
+"""What each rank's watchdog publishes once a beat (watchdog.py): who and where it is, and where
+its training thread stands."""
+
+from __future__ import annotations
+
+import sys
+import sysconfig
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Heartbeat:
+    rank: int
+    step: int
+    beat: int
+    busy: str
+    host: str
+    pid: int
+    ppid: int
+    where: str = ""
+    """The training thread's innermost Python frame: ``file:line function``."""
+    waiting: bool = False
+    """The training thread is inside :meth:`Watchdog.waiting`: waiting for its peers (in a
+    collective, or for a collective's result), not hanging them."""
+    node: int = -1
+    """Its node, named by the node's first rank (ranks are numbered node by node)."""
+    unreachable: list[int] = field(default_factory=list)
+    """The nodes its node's first worker could not reach on the data network at its last try
+    (reach.py): only while its step waits."""
+
+
+STDLIB = sysconfig.get_paths()["stdlib"]
+
+
+def training_thread_position(thread_id: int | None) -> str:
+    """Where a thread stands: its innermost frame outside the standard library."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    while frame is not None and frame.f_code.co_filename.startswith(STDLIB):
+        frame = frame.f_back
+    if frame is None:
+        return ""
+    code = frame.f_code
+    return f"{code.co_filename}:{frame.f_lineno} {code.co_name}"
+
+
+@dataclass
+class Verdict:
+    """Why the group is hung, and who hangs it (empty when nobody can tell)."""
+
+    suspects: list[int]
+    silent: list[int]
+    """Ranks whose heartbeat stopped: not running at all."""
+    reason: str
+    heartbeats: dict[int, Heartbeat]

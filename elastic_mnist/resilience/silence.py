@@ -1,0 +1,136 @@
+"""A peer gone silent, found as fast as a crash.
+
+A crashed process's kernel answers for it: its connections reset, the others' collective fails
+at once, and they go on without it in about 1.7 s. A node whose power, NIC, cable or switch port
+fails answers nothing: the others' collective just waits, and so does a process that is stopped
+(SIGSTOP) or wedged. Before this watch, such a peer was named only at the watchdog's hang verdict
+(``--hang-timeout``, 10 s).
+
+Every process raises its pulse every ``PULSE_S`` on its node's board, and one worker of the
+node writes the node's pulses into the coordination store (board.py). The watchdog's two
+*probers* (its first and last rank, on two nodes wherever the job has two) read the generation's
+pulses every ``LOOK_S`` (one ``multi_get`` of one record per node), and where a member's pulse
+stood still for ``SILENT_PULSES`` of the prober's own (about 1.5 s) while the prober's own step
+has been waiting for ``STALL_S``, it declares that member hung, as the hang verdict does: the
+survivors go on in process without it (membership.py), and its node's other workers kill it if
+it still runs (recovery.py). Measured by the prober's own pulse, not its clock: a store that
+stalls, or a prober starved of CPU, holds back both.
+
+Both conditions matter. A member whose pulse stood still while steps went on took part in them
+(every step's all-reduce needs every rank): it is starved of CPU, not gone, and dropping it
+would cost the job a restart of that node. A prober that is itself stepping, saving or
+evaluating is not held up by anyone. A node that reaches its peers but not the store is found
+the same way (its pulses stop reaching the store while the others wait for it): it is cut off
+from the job's coordination, and the others go on without it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch.distributed as dist
+
+from elastic_mnist.errors import first_line
+from elastic_mnist.resilience.agreement import PULSE_S, SILENT_PULSES, PulseKey, Pulses, pulse_key
+from elastic_mnist.resilience.read_once import ReadOnce
+
+log = logging.getLogger(__name__)
+
+LOOK_S = PULSE_S
+"""How often a prober reads the pulses: at 1,000 nodes, two probers read 20,000 records a
+second, a quarter of what the store's event loop answers (``make scale``), and only while the
+job runs a step, never in a change."""
+STALL_S = 1.0
+"""How long the prober's own step must have waited before a silent member is named: more than
+the steps of a healthy job here (0.05 to 0.5 s), less than the silence (1.5 s), so that it
+delays no verdict."""
+SILENT_S = SILENT_PULSES * PULSE_S
+"""The silence that names a member, in seconds of the prober's own pulse."""
+
+
+class GenerationPulses:
+    """Which members of one generation are silent now, by their pulses: the generation's
+    identities (``known``, read ahead by its watchers as it begins) say where each member's
+    pulse is; ``own``, where the reader's is. Read on ``store``, the membership's connection for
+    quick operations (it holds no wait)."""
+
+    def __init__(self, store: dist.Store, known: ReadOnce, own: PulseKey):
+        self.store, self.known, self.own = store, known, own
+        self._pulses: Pulses | None = None
+
+    def __call__(self) -> set[int] | None:
+        """The silent members, or None while the generation's identities are not read yet."""
+        if self._pulses is None:
+            if not self.known.ready:
+                return None
+            self._pulses = Pulses(self.store, {rank: pulse_key(identity) for rank, identity
+                                               in self.known.items()}, self.own)
+        return self._pulses.silent()
+
+
+class SilenceWatch:
+    """A prober's watch over its generation's pulses, in a thread of its own."""
+
+    def __init__(self, rank: int, silent: Callable[[], set[int] | None],
+                 stalled_s: Callable[[], float | None],
+                 declare: Callable[[list[int], str], None], stop: threading.Event):
+        """``silent()``: the members whose pulse stopped (None: not known yet);
+        ``stalled_s()``: how long this rank's own step has waited for its peers (None while it
+        is not armed, or busy with work of its own); ``declare(ranks, reason)``: names them;
+        ``stop``: set when the generation watched is over."""
+        self.rank, self.silent, self.stalled_s = rank, silent, stalled_s
+        self.declare, self.stop = declare, stop
+        self._thread = threading.Thread(target=self._run, daemon=True, name="watchdog-silence")
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self.stop.wait(LOOK_S):
+            try:
+                # Read at every look, stalled or not: a member's silence is counted from its
+                # last pulse, not from the moment this rank began to wait for it.
+                silent = self.silent()
+            except RuntimeError as e:  # DistStoreError: the store went; the probe names it
+                log.debug("the pulses were not read: %s", first_line(e))
+                continue
+            silent = sorted((silent or set()) - {self.rank})
+            stalled = self.stalled_s()
+            if not silent or stalled is None or stalled < STALL_S:
+                continue
+            began = time.monotonic()
+            self.declare(silent, f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut "
+                                 f"off from the coordination store")
+            log.debug("silence declared in %.3f s", time.monotonic() - began)
+            return
+
+
+def kill_stopped_siblings(agent: int) -> list[int]:
+    """Kills this process's siblings (the other workers of its agent ``agent``) that are stopped
+    (SIGSTOP, a debugger), returning their pids: a rank named hung whose process is stopped
+    obeys its agent's SIGTERM only when continued, and the agent waits 30 s for it, or for ever
+    at the job's end. Each survivor of a hang looks at its own node, in ``/proc``: no store
+    operation."""
+    killed = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            # "pid (comm) state ppid ...": comm may hold spaces and parentheses; the last ")"
+            # ends it.
+            fields = (entry / "stat").read_text().rpartition(")")[2].split()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if len(fields) > 1 and int(fields[1]) == agent and fields[0] in ("T", "t"):
+            log.error("killing pid %s, a stopped worker of this node named hung", entry.name)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(entry.name), signal.SIGKILL)
+            killed.append(int(entry.name))
+    return killed

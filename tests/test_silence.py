@@ -1,0 +1,161 @@
+"""A peer gone silent is named by its pulse, as fast as a crash (elastic_mnist/resilience/silence.py),
+in milliseconds: the prober's watch, the generation's pulses, and a stopped sibling killed. A
+frozen worker named this way under real torchrun launches is tests/test_multinode.py's; a node
+whose links are cut, `make partitions`'."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from elastic_mnist.resilience import silence
+from elastic_mnist.resilience.agreement import SILENT_PULSES
+from elastic_mnist.resilience.read_once import ReadOnce
+
+
+class Watch:
+    """A SilenceWatch whose pulses and stall the test sets, and whose declarations it keeps."""
+
+    def __init__(self, rank: int = 0):
+        self.silent: set[int] | None = set()
+        self.stalled: float | None = 0.0
+        self.looks = 0
+        self.declared: list[tuple[list[int], str]] = []
+        self.stop = threading.Event()
+        self.watch = silence.SilenceWatch(rank, self.read, lambda: self.stalled,
+                                          lambda ranks, why: self.declared.append((ranks, why)),
+                                          self.stop)
+
+    def read(self):
+        self.looks += 1
+        return self.silent
+
+
+def wait_for(condition, timeout=3.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_silent_member_is_named_only_while_the_probers_own_step_waits():
+    w = Watch(rank=0)
+    w.silent, w.stalled = {2}, 0.3  # steps go on: rank 2 took part in them, starved not gone
+    w.watch.start()
+    try:
+        wait_for(lambda: w.looks >= 5)  # read at every look, stalled or not
+        assert w.declared == []
+        w.stalled = None  # busy with work of its own (a save): nobody holds it up
+        looks = w.looks
+        wait_for(lambda: w.looks >= looks + 3)
+        assert w.declared == []
+        w.silent, w.stalled = {0}, 5.0  # its own pulse: never a verdict on itself
+        looks = w.looks
+        wait_for(lambda: w.looks >= looks + 3)
+        assert w.declared == []
+        w.silent = {0, 2, 3}
+        wait_for(lambda: w.declared)
+        (ranks, why), = w.declared
+        assert ranks == [2, 3] and why.startswith("no pulse for 1.5 s")
+        time.sleep(0.3)
+        assert len(w.declared) == 1  # one verdict: the generation is over
+    finally:
+        w.stop.set()
+
+
+def test_the_watch_ends_with_its_generation_and_rides_out_a_store_error():
+    w = Watch()
+    calls = iter([RuntimeError("store gone")] * 3)
+
+    def read():
+        w.looks += 1
+        error = next(calls, None)
+        if error is not None:
+            raise error
+        return set()
+
+    w.watch.silent = read
+    w.watch.start()
+    wait_for(lambda: w.looks >= 5)  # went on past the errors
+    w.stop.set()
+    w.watch._thread.join(timeout=2)
+    assert not w.watch._thread.is_alive() and w.declared == []
+
+
+class NodeRecords:
+    """The store's node records (board.py): the prober's own node's pulse moves at each read,
+    the other node's as the test says."""
+
+    def __init__(self):
+        self.counts = {"node/a": 0, "node/b": 0}
+        self.b_moves = True
+
+    def multi_get(self, keys):
+        self.counts["node/a"] += 1
+        if self.b_moves:
+            self.counts["node/b"] += 1
+        return [f"{self.counts[k]},{self.counts[k]}".encode() for k in keys]
+
+
+def test_the_generations_pulses_are_read_once_its_identities_are_known():
+    from elastic_mnist.resilience.agreement import Identity
+
+    def who(node: str, slot: int) -> Identity:
+        return Identity("h", 1, 1, slot, board=node)
+
+    known = ReadOnce(lambda: pytest.fail("read ahead by the watchers, never here"), 3)
+    store = NodeRecords()
+    pulses = silence.GenerationPulses(store, known, ("node/a", 0))
+    assert pulses() is None  # not read ahead yet: nothing to say
+    known.offer({0: who("a", 0), 1: who("a", 1), 2: who("b", 0), 3: who("b", 1)})
+    for _ in range(SILENT_PULSES + 2):
+        assert pulses() == set()
+    store.b_moves = False  # node b's record stands still: both its ranks
+    found = [pulses() for _ in range(SILENT_PULSES + 1)]
+    assert found[SILENT_PULSES - 2] == set() and found[-1] == {2, 3}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_a_stopped_sibling_is_killed_and_a_running_one_left():
+    stopped = subprocess.Popen(["sleep", "30"])
+    running = subprocess.Popen(["sleep", "30"])
+    try:
+        stopped.send_signal(signal.SIGSTOP)
+        stat = Path(f"/proc/{stopped.pid}/stat")
+        wait_for(lambda: stat.read_text().rpartition(")")[2].split()[0] == "T")
+        assert silence.kill_stopped_siblings(os.getpid()) == [stopped.pid]
+        assert stopped.wait(timeout=5) == -signal.SIGKILL
+        assert running.poll() is None
+        assert silence.kill_stopped_siblings(os.getpid() + 10**6) == []  # another agent's
+    finally:
+        for p in (stopped, running):
+            p.kill()
+            p.wait()
+
+
+def test_a_node_admitted_and_lost_again_and_again_is_kept_out_until_it_stays():
+    from elastic_mnist.resilience.flapping import Flapping
+
+    now = [0.0]
+    flaps = Flapping(tries=3, window_s=100, quiet_s=20, clock=lambda: now[0])
+    for join in range(3):  # admitted three times, lost each time
+        assert flaps.admissible(7, join)
+        flaps.admitted(7, join)
+        now[0] += 10
+    assert not flaps.admissible(7, 3)  # the fourth: kept out
+    assert flaps.admissible(8, 0)  # another node is not
+    now[0] += 15
+    assert not flaps.admissible(7, 4)  # lost again: it asks anew, and waits anew
+    now[0] += 15
+    assert not flaps.admissible(7, 4)
+    now[0] += 5
+    assert flaps.admissible(7, 4)  # 20 s waiting, unbroken: let in
+    flaps.admitted(7, 4)
+    now[0] += 100  # the window passed: admitted at once again
+    assert flaps.admissible(7, 5)
