@@ -108,7 +108,8 @@ def run_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
 
     membership = start_membership(cfg, env, device, generation, run_id)
     duties = Duties(cfg, run_id, run_dir, checkpoint_dir, store, membership,
-                    Fence(membership.dropped, *([lease.taken] if lease is not None else [])))
+                    Fence(membership.dropped, *([lease.taken] if lease is not None else []),
+                          fallback=membership.dropped_by_file))
     if lease is not None:
         lease.fence_renewals(duties.fence)
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id, restart_generation=generation,

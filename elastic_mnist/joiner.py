@@ -73,7 +73,8 @@ def join_training(cfg: TrainConfig, env: DistEnv, device: torch.device,
                             run_id=run_id, joining=True)
     duties = Duties(cfg, run_id, Path(cfg.run.logdir) / run_id, checkpoint_dir, store,
                     membership, Fence(membership.dropped,
-                                      *([lease.taken] if lease is not None else [])))
+                                      *([lease.taken] if lease is not None else []),
+                                      fallback=membership.dropped_by_file))
     if lease is not None:
         lease.fence_renewals(duties.fence)
     trainer = Trainer(cfg, env, device, dataset, run_id=run_id,

@@ -190,7 +190,9 @@ def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch
     threads = set(threading.enumerate())
     metrics = TensorBoardMetrics(tmp_path, purge_step=1,
                                  fence=Fence(lambda: verdict[0], on_over=over.append))
-    assert set(threading.enumerate()) == threads
+    # No thread of the writer's own (the fence asks its questions in one of its own, which
+    # writes nothing).
+    assert {t for t in threading.enumerate() if not t.name.startswith("fence")} <= threads
     metrics.scalars(1, {"train/loss": 2.0})
     metrics.text("launch", "hello", 1)
     files = {p.name: p.read_bytes() for p in tmp_path.iterdir()}

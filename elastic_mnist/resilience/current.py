@@ -89,21 +89,22 @@ class CurrentGeneration:
             key = generation_key(generation, "fault")
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
-            return self._dropped_by_file(generation, rank, e)
+            return self.dropped_by_file(generation, rank, first_line(e))
         if fault is not None and fault.why == "left" and rank in fault.suspects:
             return None
         return Over(dropped_line(rank, generation, f"the job is at {current['generation']}"),
                     EXIT_DROPPED)
 
-    def _dropped_by_file(self, generation: int, rank: int, error: RuntimeError) -> Over:
+    def dropped_by_file(self, generation: int, rank: int, error: str) -> Over:
         """Why this process was dropped, as the checkpoint folder's ``GENERATION_FILE`` says it
-        while the store does not answer; CannotTell when it does not say so."""
+        while the store does not answer (``error``: how it did not); CannotTell when the file
+        does not say so."""
         found = read_generation_file(self.folder) if self.folder is not None else None
         if found is None or found.get("launch") != self.launch \
                 or still_in(found, generation, rank):
             raise CannotTell(f"rank {rank} cannot tell whether it is still one of the job's "
                              f"ranks: the coordination store does not answer "
-                             f"({first_line(error)}), and {GENERATION_FILE} names no later "
+                             f"({error}), and {GENERATION_FILE} names no later "
                              f"generation without it")
         return Over(dropped_line(rank, generation, f"{GENERATION_FILE} says the job is at "
                                  f"{found['generation']}; the coordination store does not "

@@ -74,6 +74,10 @@ class NullMembership:
         """Why this process is no longer one of the job's ranks, or None: see :class:`Fence`."""
         return None
 
+    def dropped_by_file(self) -> Over | None:
+        """The same, where the store does not answer: as the checkpoint folder says it."""
+        return None
+
     def release_agents(self) -> None:
         """At the job's end: nothing to release."""
 

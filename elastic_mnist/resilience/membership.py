@@ -81,6 +81,7 @@ from elastic_mnist.resilience.read_once import ReadOnce, read_ahead
 from elastic_mnist.resilience.recovery import Recovery
 from elastic_mnist.resilience.relay import Relay, by_themselves
 from elastic_mnist.resilience.roster import Roster
+from elastic_mnist.resilience.speaker import Speaker
 from elastic_mnist.resilience.survivors_group import abort_default_group
 from elastic_mnist.resilience.torchrun_agents import Members, NoAgents, agents_for
 
@@ -268,13 +269,14 @@ class Membership(NullMembership):
 
     def _pulse(self) -> None:
         """Raises this process's pulse on its node's board every PULSE_S while it lives, and
-        writes the node's record when it speaks for the node: see :class:`Pulses`."""
+        has the node's record written when it speaks for the node (speaker.py): see :class:`Pulses`."""
+        speaker = Speaker(self.connections.declare, self.board.key, self.store.clone)
         while not self._closed:
             time.sleep(PULSE_S)
             record = self.board.beat()
             if record is not None:
-                with contextlib.suppress(RuntimeError):  # a store that stalls: readers see it
-                    self.connections.declare.set(self.board.key, record)
+                speaker.say(record)
+        speaker.close()
         self.board.close()
 
     def own_pulse(self, store: dist.Store) -> int:
@@ -466,6 +468,11 @@ class Membership(NullMembership):
         if self.joining:  # no rank of any generation yet: nothing to be dropped from
             return None
         return self.current.dropped(self.generation, self.env.rank)
+
+    def dropped_by_file(self) -> Over | None:
+        """:meth:`dropped`, as the checkpoint folder says it: a fence's, whose store is silent."""
+        return None if self.joining else self.current.dropped_by_file(
+            self.generation, self.env.rank, "no answer in time")
 
     def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
         """The generation, and the agents of its ranks as the rendezvous names them (name, pid);

@@ -1,0 +1,88 @@
+"""The writers' fence is bounded and off the step's path (elastic_mnist/resilience/fence.py): a
+store that does not answer holds a commit's check ASK_S at most and a step's not at all, the
+checkpoint folder's copy of the generation decides meanwhile, and no lock is held while the
+store is asked. In milliseconds, with reasons that block as a silent store does."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic_mnist.errors import EXIT_DROPPED, CannotTell
+from elastic_mnist.resilience import fence as fence_module
+from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
+
+
+class SilentStore:
+    """A reason whose store does not answer until the test lets it."""
+
+    def __init__(self):
+        self.answer = threading.Event()
+        self.asked = 0
+
+    def __call__(self):
+        self.asked += 1
+        self.answer.wait()
+
+
+def timed(call):
+    began = time.monotonic()
+    call()
+    return time.monotonic() - began
+
+
+def test_a_silent_store_holds_a_commit_ask_s_and_the_folder_decides(monkeypatch):
+    monkeypatch.setattr(fence_module, "RECENT_S", 0.0)
+    store, said = SilentStore(), []
+    fence = Fence(store, fallback=lambda: said.append(1), ask_s=0.3)
+    assert 0.3 <= timed(fence.check) < 1.0  # the commit goes on: the folder says nothing else
+    assert timed(lambda: fence.check(recent=True)) < 0.05  # a step's: the question in flight
+    assert timed(fence.check) < 0.05  # the question's bound is spent: the next commit waits no more
+    assert store.asked == 1 and len(said) == 3  # one question at a time, answered by the file
+    store.answer.set()
+    time.sleep(0.05)
+    assert timed(fence.check) < 0.1 and store.asked == 2  # answered again: asked again
+
+
+def test_the_folder_can_drop_a_process_whose_store_is_silent():
+    store, over = SilentStore(), []
+    dropped = Over("rank 3 was dropped from the job at generation 1", EXIT_DROPPED)
+    fence = Fence(store, fallback=lambda: dropped, on_over=over.append, ask_s=0.2)
+    with pytest.raises(FenceClosed):
+        fence.check()
+    assert over == [dropped]
+    store.answer.set()
+
+
+def test_strict_asks_are_told_that_nobody_can_tell():
+    store = SilentStore()
+
+    def cannot_tell():
+        raise CannotTell("the store does not answer, and generation.json says nothing")
+
+    fence = Fence(store, fallback=cannot_tell, ask_s=0.2)
+    with pytest.raises(CannotTell, match="generation.json"):
+        fence.check(strict=True)
+    fence.check()  # a commit goes on
+    no_fallback = Fence(SilentStore(), ask_s=0.1)
+    with pytest.raises(CannotTell, match="did not answer the fence within 0.1 s"):
+        no_fallback.check(strict=True)
+    store.answer.set()
+
+
+def test_no_lock_is_held_while_the_store_is_asked(monkeypatch):
+    monkeypatch.setattr(fence_module, "RECENT_S", 0.0)
+    store = SilentStore()
+    fence = Fence(store, fallback=lambda: None, ask_s=5.0)
+    blocked = threading.Thread(target=fence.check)  # a commit waiting for the store
+    blocked.start()
+    time.sleep(0.1)
+    # Meanwhile the training thread's every-step check and the watchdog's lock-free reads go on.
+    assert timed(lambda: fence.check(recent=True)) < 0.05
+    assert fence._lock.acquire(timeout=0.05)
+    fence._lock.release()
+    store.answer.set()
+    blocked.join(timeout=2)
+    assert not blocked.is_alive()
