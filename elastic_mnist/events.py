@@ -3,7 +3,8 @@
 Rank 0 appends ``start``, ``resize``, ``shrink``, ``grow``, ``checkpoint``, ``eval``,
 ``nonfinite``, ``hang``, ``preempted``, ``left`` and ``finish`` records, each with a UTC timestamp and the step,
 and flushes every line: a kill loses nothing already said. Other ranks get a log that writes
-nothing.
+nothing. Each record's ``writer`` names the process that wrote it (``host/pid``): one the job
+went on without writes none after that (fence.py), which ``make partitions`` checks.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import platform
 import threading
 import time
 from pathlib import Path
@@ -55,7 +57,8 @@ class EventLog(NullEventLog):
         self._lock = threading.Lock()
 
     def emit(self, event: str, step: int, **fields: Any) -> None:
-        line = json.dumps({"event": event, "time": utc_now(), "step": step, **fields})
+        line = json.dumps({"event": event, "time": utc_now(), "step": step, **fields,
+                           "writer": f"{platform.node()}/{os.getpid()}"})
         self.fence.check()
         with self._lock:
             self._file.write(line + "\n")

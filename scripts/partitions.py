@@ -15,7 +15,10 @@ torchrun``, by the README's multi-node torchrun line). At step LEAD_STEP one fau
 
     kill          the node SIGKILLed, for comparison (the kernel answers for it: connections reset)
     cut-60        all its links cut for 60 s: silent, as a machine whose power failed
-    cut-5         all its links cut for 5 s: a blip
+    rank0-30      all the links of rank 0's node cut for 30 s: it writes the checkpoints, events
+                  and dashboards, and must write none after its drop
+    cut-5         all its links cut for 5 s: longer than the detection (1.5 s), dropped too
+    blip          all its links cut for 1 s: shorter than the detection, ridden out
     data-30       its data link cut for 30 s: it reaches the store, not its peers
     control-30    its control link cut for 30 s: it reaches its peers, not the store
     out-30        its data link dropped one way for 30 s: it hears its peers, they do not hear it
@@ -27,11 +30,12 @@ Per case: the healthy nodes' longest wait between two steps (from the fault unti
 at its size again after the heal), the seconds to the job's first step after the fault, how the
 job answered (rode it out, in process, or a restart), whether any healthy process restarted (a
 worker of the untouched nodes that is no longer running), whether the job was back at its size
-after the heal, whether every sample was used exactly once (scripts/check_audit.py), and the
-target, met or NOT MET. Most targets are not met today: they are what issue 42's later items
-build. Exit 1 where the harness failed or a sample was lost or doubled; with --strict also where
-a target is not met. Needs root and network namespaces (``scripts/hosts.py check``). About 17
-minutes on 2 cores; ``make partitions``.
+after the heal, whether every sample was used exactly once (scripts/check_audit.py), what a
+process the job went on without wrote into the shared folder after that (scripts/cutoff.py:
+nothing, in every case), and the target, met or NOT MET. Exit 1 where the harness failed, a
+sample was lost or doubled, or a process wrote after its drop; with --strict also where a target
+is not met. Needs root and network namespaces (``scripts/hosts.py check``). About 20 minutes on
+2 cores; ``make partitions``.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import chaos
+import cutoff
 import hosts
 import markers
 
@@ -54,7 +59,10 @@ from elastic_mnist.config import TrainConfig
 LEAD_STEP = 100
 """The step at which the fault strikes: the job past its start-up, every rank warm."""
 VICTIM = 2
-"""The node each fault strikes (of 0, 1, 2; the store's outage strikes the store)."""
+"""The node each fault strikes (of 0, 1, 2; the store's outage strikes the store), but where a
+case names another (:attr:`Case.node`)."""
+RUN_ID = "chaos"
+"""chaos's run id: the run folder under the shared folder's ``runs/``."""
 STEPS_PER_S = 25.0
 """Steps a second of the job at 4 ranks on this 2-core machine (19 at 6): a case's job is long
 enough to be back after the heal before it ends (see ``--steps-per-second``)."""
@@ -78,6 +86,8 @@ class Case:
     needs: str | None = None
     """What of :data:`hosts.CAPABILITIES` the fault needs beyond namespaces: without it, the
     case is skipped, and its row says why."""
+    node: int = VICTIM
+    """The node the fault strikes (node 0 holds rank 0: the checkpoints, events, dashboards)."""
 
 
 def healthy(f: dict) -> bool:
@@ -103,8 +113,15 @@ CASES = {
                    "≤ 2 s like a crash, in process, back after",
                    lambda f: within(f, 2) and healthy(f) and bool(f["came_back"])),
     "cut-5": Case("a node's links cut for 5 s", "cut-node", 5,
-                  "≤ blip + 1 s (6), nobody dropped",
-                  lambda f: within(f, 6) and f["recovery"] == "none" and healthy(f)),
+                  "≤ 2 s like a crash, in process, back after",
+                  lambda f: within(f, 2) and healthy(f) and bool(f["came_back"])),
+    "blip": Case("a node's links cut for 1 s (shorter than the detection, 1.5 s)", "cut-node", 1,
+                 "≤ blip + 1 s (2), nobody dropped",
+                 lambda f: within(f, 2) and f["recovery"] == "none" and healthy(f)),
+    "rank0-30": Case("rank 0's node's links cut for 30 s (it writes the checkpoints, events "
+                     "and dashboards)", "cut-node", 30,
+                     "≤ 2 s like a crash, in process, back after",
+                     lambda f: within(f, 2) and healthy(f) and bool(f["came_back"]), node=0),
     "data-30": Case("a node's data link cut for 30 s (it reaches the store, not its peers)",
                     "cut-data", 30, ONE_SIDED, one_sided),
     "control-30": Case("a node's control link cut for 30 s (it reaches its peers, not the "
@@ -134,7 +151,7 @@ def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dic
     workdir = root / name
     out = workdir / "faults.json"
     schedule = f"{LEAD_STEP}:{case.kind}:" + (
-        "" if case.kind == "store-outage" else str(VICTIM)) + (
+        "" if case.kind == "store-outage" else str(case.node)) + (
         f":{case.seconds:g}" if case.seconds else "")
     argv = ["--hosts", "netns", "--nodes", "3", "--start-nodes", "3", "--nproc-per-node", "2",
             "--store", "external", "--launch", launch, "--schedule", schedule,
@@ -149,7 +166,14 @@ def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dic
     report = json.loads(out.read_text())
     if not report["faults"]:
         raise RuntimeError(f"{name}: the fault never struck ({report['failures']})")
-    return {**report["faults"][-1], "failures": report["failures"]}
+    return {**report["faults"][-1], "failures": report["failures"],
+            "late_writes": cutoff.late_writes(workdir / "shared", RUN_ID)}
+
+
+def met(case: Case, f: dict) -> bool:
+    """The case's target, and in every case nothing written by a process after the job went on
+    without it (scripts/cutoff.py)."""
+    return case.met(f) and not f.get("late_writes")
 
 
 def exactly_once(record: dict) -> bool:
@@ -176,19 +200,21 @@ def seconds(value: float | None) -> str:
 
 def table(results: dict[str, dict]) -> str:
     rows = [("| what failed | others' longest wait (s) | first step after (s) | answered | "
-             "healthy restarted | back after | exactly once | target | met |"),
-            "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- |"]
+             "healthy restarted | back after | exactly once | written after its drop | target | "
+             "met |"),
+            "| --- | ---: | ---: | --- | --- | --- | --- | --- | --- | --- |"]
     for name, f in results.items():
         case = CASES[name]
         if "error" in f or "skipped" in f:
             said = (f"harness failed: {f['error']}" if "error" in f
                     else f"skipped: this machine cannot ({f['skipped']})")
-            rows.append(f"| {case.what} | — | — | {said} | — | — | — | {case.target} | — |")
+            rows.append(f"| {case.what} | — | — | {said} | — | — | — | — | {case.target} | — |")
             continue
         rows.append(f"| {case.what} | {seconds(f['gap_s'])} | {seconds(f['first_step_s'])} | "
                     f"{answered(f)} | {'no' if healthy(f) else 'yes'} | {came_back(f)} | "
-                    f"{'yes' if exactly_once(f) else 'NO'} | {case.target} | "
-                    f"{'met' if case.met(f) else 'NOT MET'} |")
+                    f"{'yes' if exactly_once(f) else 'NO'} | "
+                    f"{len(f.get('late_writes', [])) or 'nothing'} | {case.target} | "
+                    f"{'met' if met(case, f) else 'NOT MET'} |")
     return "\n".join(rows)
 
 
@@ -240,22 +266,28 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.time() - started) / 60
     launched = "the README's torchrun line" if args.launch == "torchrun" else "jobs/node.sh"
     summary = (f"{table(results)}\n\n3 nodes × 2 workers, each a host of its own, launched by "
-               f"{launched}, our rendezvous, the fault at step {LEAD_STEP} on node {VICTIM} (or "
+               f"{launched}, our rendezvous, the fault at step {LEAD_STEP} on node {VICTIM} (node "
+               f"0 for rank0-30, or "
                f"the store); one run a case, {minutes:.0f} minutes in all. `make partitions`.")
     print(summary)
     harness = [n for n, f in results.items() if "error" in f]
     measured = {n: f for n, f in results.items() if "error" not in f and "skipped" not in f}
     doubled = [n for n, f in measured.items() if not exactly_once(f)]
-    unmet = [n for n, f in measured.items() if not CASES[n].met(f)]
+    unmet = [n for n, f in measured.items() if not met(CASES[n], f)]
     if args.json:
         args.json.write_text(json.dumps({"cases": results, "minutes": minutes}, indent=2))
     if args.readme_section and not harness:
         markers.rewrite(args.readme_section, summary)
+    late = [n for n, f in measured.items() if f.get("late_writes")]
+    for name in late:
+        for line in measured[name]["late_writes"]:
+            print(f"partitions: {name}: written after its drop: {line}")
     for what, which in (("the harness failed", harness), ("a sample lost or doubled", doubled),
+                        ("written by a process after the job went on without it", late),
                         ("targets not met", unmet)):
         if which:
             print(f"partitions: {what}: {', '.join(which)}")
-    return 1 if harness or doubled or (args.strict and unmet) else 0
+    return 1 if harness or doubled or late or (args.strict and unmet) else 0
 
 
 if __name__ == "__main__":
