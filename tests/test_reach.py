@@ -133,3 +133,31 @@ def test_only_a_nodes_first_worker_with_an_address_tries():
         assert isinstance(watch, reach.ReachWatch) and watch.node == 4
     finally:
         watch.close()
+
+
+def test_rank_0_admits_a_joining_node_only_once_it_answers_on_the_data_network(monkeypatch,
+                                                                              caplog):
+    """A node ready to join that reaches the store but not its peers (its data link still cut)
+    is not admitted: the new group's creation would hold every rank until the heal."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from elastic_mnist.resilience import admissions
+
+    monkeypatch.setattr(admissions, "data_address", lambda backend: "127.0.0.1")
+    store = Store()
+    store.check = lambda keys: all(k in store.values for k in keys)
+    store.get = lambda key: store.values[key]
+    rank0 = admissions.Admissions.__new__(admissions.Admissions)
+    rank0.member = SimpleNamespace(connections=SimpleNamespace(declare=store),
+                                   device=torch.device("cpu"))
+    rank0.round, rank0._unreached = 3, set()
+    assert rank0._reachable(0)  # it said nowhere: tried by nobody, admitted as before
+    listener = reach.Listener("127.0.0.1")
+    store.set(admissions.join_key(3, 0, "reach"), listener.address)
+    assert rank0._reachable(0)
+    listener.close()
+    with caplog.at_level("WARNING"):
+        assert not rank0._reachable(0) and not rank0._reachable(0)
+    assert caplog.text.count("does not answer on the data network") == 1  # said once

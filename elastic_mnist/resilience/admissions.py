@@ -19,6 +19,7 @@ is ready), ``admitted`` (``{"launch", "generation", "decided_in", "step", "evalu
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
@@ -27,11 +28,13 @@ from collections.abc import Callable
 from dataclasses import asdict
 from typing import Any
 
+from elastic_mnist.distributed import backend_for
 from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agreement import PULSE_S, UNKNOWN, Change, Identity, node_sizes
 from elastic_mnist.resilience.faces import Member
 from elastic_mnist.resilience.flapping import Flapping
+from elastic_mnist.resilience.reach import Listener, data_address, unreachable
 from elastic_mnist.resilience.roster import JobRecord, Roster
 
 log = logging.getLogger(__name__)
@@ -70,6 +73,10 @@ class Admissions:
         self._pending = False
         """A join of the round waited for its workers at the last look."""
         self._failing = ""
+        self._unreached: set[int] = set()
+        """Joins ready but not reached on the data network, said once."""
+        self._listener: Listener | None = None
+        """A joining node's first worker's, while it waits to be admitted."""
         self.flapping = Flapping()
         """Nodes admitted again and again, and lost each time, are kept out a while."""
         self._stop = threading.Event()
@@ -182,10 +189,32 @@ class Admissions:
             if agent is None or not self.records.ready(self.round, join, agent.nproc):
                 self._pending = True
                 continue
+            if not self._reachable(join):
+                self._pending = True
+                continue
             workers = store.multi_get([join_key(self.round, join, f"id/{local}")
                                        for local in range(agent.nproc)])
             found.append((join, serial, [json.loads(worker) for worker in workers]))
         return found
+
+    def _reachable(self, join: int) -> bool:
+        """Whether rank 0 reaches the joining node on the data network (reach.py), where the
+        node said where it listens: a node admitted while its data link is still cut (it
+        reaches the store, not its peers) held every rank in the new group's creation until the
+        heal (13 s in ``make partitions``' one-way cut)."""
+        key = join_key(self.round, join, "reach")
+        store = self.member.connections.declare
+        if not store.check([key]):
+            return True
+        source = data_address(backend_for(self.member.device))
+        if source is None or not unreachable(source, {join: store.get(key).decode()}):
+            self._unreached.discard(join)
+            return True
+        if join not in self._unreached:
+            self._unreached.add(join)
+            log.warning("a node ready to join (join %d) does not answer on the data network: "
+                        "admitted once it does", join)
+        return False
 
     def due(self) -> bool:
         """Rank 0, in the training thread: a decision of this generation awaits its step."""
@@ -225,12 +254,20 @@ class Admissions:
 
     def close(self) -> None:
         self._stop.set()
+        if self._listener is not None:
+            self._listener.close()
 
     # --- a joining worker -----------------------------------------------------------------------
 
     def ready(self, join: int) -> None:
-        """This joining worker is built: it says who it is, then that it is ready."""
+        """This joining worker is built: it says who it is, then that it is ready. Its node's
+        first worker also listens on its data address, and says where, for rank 0 to try."""
         m = self.member
+        address = data_address(backend_for(m.device)) if m.env.local_rank == 0 else None
+        if address is not None:
+            with contextlib.suppress(OSError):  # no listener: rank 0 admits it untried
+                self._listener = Listener(address)
+                m.store.set(join_key(self.round, join, "reach"), self._listener.address)
         m.store.set(join_key(self.round, join, f"id/{m.env.local_rank}"),
                     json.dumps(asdict(m.identity)))
         self.records.mark_ready(self.round, join, m.env.local_rank)
@@ -260,6 +297,9 @@ class Admissions:
                 beat, moved_at = now, own
             if job is None or job.launch != m.launch or own - moved_at >= m.bound_s / PULSE_S:
                 return "stopped"
+        if self._listener is not None:  # admitted: its watchdog listens from now on
+            self._listener.close()
+            self._listener = None
         return json.loads(connection.get(key))
 
 def nodes(identities: dict[int, Identity]) -> list[int]:
