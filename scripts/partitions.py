@@ -161,7 +161,9 @@ def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dic
     print(f"partitions: {name}: scripts/chaos.py {' '.join(argv)}", flush=True)
     try:
         chaos.main(argv)
-    except SystemExit as e:  # chaos refused its flags
+    except SystemExit as e:  # chaos refused its flags, or a signal ends the harness
+        if isinstance(e.code, int) and e.code >= 128:
+            raise
         raise RuntimeError(f"{name}: chaos exited {e.code}") from None
     report = json.loads(out.read_text())
     if not report["faults"]:
