@@ -132,7 +132,7 @@ class Duties:
             go_on_without=partial(self.membership.declare, "hung",
                                   generation=self.membership.generation) if in_process else None,
             store_host=None if in_process else 0, fence=self.fence,
-            silent=GenerationPulses(self.membership.connections.declare, self.membership.known,
+            silent=GenerationPulses(self.membership.connections.watchdog, self.membership.known,
                                     self.membership.pulse_key) if in_process else None,
             backend=backend_for(self.membership.device) if in_process else "")
 

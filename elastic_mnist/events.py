@@ -57,9 +57,9 @@ class EventLog(NullEventLog):
         self._lock = threading.Lock()
 
     def emit(self, event: str, step: int, **fields: Any) -> None:
+        self.fence.check()  # before the time is taken: a check may wait (fence.py's ASK_S)
         line = json.dumps({"event": event, "time": utc_now(), "step": step, **fields,
                            "writer": f"{platform.node()}/{os.getpid()}"})
-        self.fence.check()
         with self._lock:
             self._file.write(line + "\n")
             os.fsync(self._file.fileno())

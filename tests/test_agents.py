@@ -564,7 +564,8 @@ def test_rank_0_marks_the_joins_it_admits_for_the_agents(store):
                              joining=True)
     admissions = Admissions(member, Roster(store, "job"), "job", 0)
     try:
-        admissions.admit({"generation": 3, "joins": [{"join": 0}, {"join": 2}]},
+        admissions.admit({"generation": 3, "joins": [{"join": 0, "agent": 5},
+                                                      {"join": 2, "agent": 6}]},
                          SimpleNamespace(generation=4, step=7, evaluated_step=0))
     finally:
         admissions.close()

@@ -86,3 +86,21 @@ def test_no_lock_is_held_while_the_store_is_asked(monkeypatch):
     store.answer.set()
     blocked.join(timeout=2)
     assert not blocked.is_alive()
+
+
+def test_an_over_found_by_a_question_nobody_waited_for_is_acted_on(monkeypatch):
+    monkeypatch.setattr(fence_module, "RECENT_S", 0.0)
+    answer, over = threading.Event(), []
+    dropped = Over("rank 1 was dropped from the job at generation 2", EXIT_DROPPED)
+
+    def slow_then_over():
+        answer.wait()
+        return dropped
+
+    fence = Fence(slow_then_over, fallback=lambda: None, on_over=over.append, ask_s=0.1)
+    fence.check()  # timed out: the folder said nothing, the write went on
+    answer.set()
+    time.sleep(0.1)
+    with pytest.raises(FenceClosed):
+        fence.check(recent=True)  # the late answer is not thrown away
+    assert over == [dropped]

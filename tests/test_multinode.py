@@ -404,10 +404,10 @@ def test_a_dropped_rank_0_that_wakes_leaves_without_writing(tiny_digits, tmp_pat
 
 def test_a_dropped_rank_that_wakes_while_the_job_goes_on_leaves_with_one_line(tiny_digits,
                                                                                tmp_path):
-    """Two plain torchrun agents, of one worker and of two. Rank 2, node 1's second worker (no
-    lease, no record of the node's to write: nothing of the fence's on its way), freezes
-    (SIGSTOP) as it begins step 3; ranks 0 and 1 name it after --hang-timeout and go on without
-    it in their own processes. Woken while they still train, its recovery finds the membership
+    """Two plain torchrun agents, of two workers and of one. Rank 2, node 1's only worker (a
+    sibling would kill it: stopped, it obeys its agent only when continued), freezes (SIGSTOP)
+    as it begins step 3; ranks 0 and 1 name it by its silence and go on without it in their own
+    processes. Woken while they still train, its recovery finds the membership
     closed without it: it leaves with one line and the dropped status, not a given-up
     recovery's (7) nor a hang's (124), and writes no ``fallback`` record."""
     from shared_runs import args_for
@@ -415,7 +415,7 @@ def test_a_dropped_rank_that_wakes_while_the_job_goes_on_leaves_with_one_line(ti
     port = free_port()
     args = args_for(tiny_digits, tmp_path, "--run-id", "woken", "--hang-timeout", "2")
     env = clean_env(**{FAULT_VAR: "hang@3:2"})
-    agents, logs = two_plain_agents(tmp_path, port, args, env, "--rdzv_id=woken", nproc=(1, 2))
+    agents, logs = two_plain_agents(tmp_path, port, args, env, "--rdzv_id=woken", nproc=(2, 1))
     run_dir = tmp_path / "runs" / "woken"
 
     def shrunk() -> bool:
@@ -433,8 +433,8 @@ def test_a_dropped_rank_that_wakes_while_the_job_goes_on_leaves_with_one_line(ti
     finally:
         for agent in agents:
             kill_tree(agent.pid)
-    # torchrun's summary of it (its agent then stops rank 1, which the others go on without).
-    assert re.search(rf"rank\s+: 2 \(local_rank: 1\)\n\s+exitcode\s+: {EXIT_DROPPED} ", woken), \
+    # torchrun's summary of it.
+    assert re.search(rf"rank\s+: 2 \(local_rank: 0\)\n\s+exitcode\s+: {EXIT_DROPPED} ", woken), \
         woken
     said = [line for line in woken.splitlines() if "[rank 2]" in line]
     assert len(said) == 1, woken

@@ -146,8 +146,10 @@ class Admissions:
         """Decides, once per generation, to admit the joins whose workers are all ready."""
         if self._decided is not None and self._decided[0] == generation:
             return
-        ready = [(join, serial, workers) for join, serial, workers
-                 in self._ready(nodes(identities)) if self.flapping.admissible(serial, join)]
+        found = self._ready(nodes(identities))
+        self.flapping.ready({(serial, join) for join, serial, _ in found})
+        ready = [(join, serial, workers) for join, serial, workers in found
+                 if self.flapping.admissible(serial, join)]
         if not ready:
             return
         m, old = self.member, len(identities)

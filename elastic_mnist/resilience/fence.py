@@ -97,13 +97,19 @@ class Fence(NullFence):
         """Guards the question in flight and the verdict's state: held across no question."""
         self._question: concurrent.futures.Future | None = None
         self._asked_at = 0.0
+        self._over: Over | None = None
+        """A verdict of "over", once any question found it: every later check acts on it."""
 
     def check(self, recent: bool = False, strict: bool = False) -> None:
         """``recent``: a verdict of the last ``RECENT_S`` seconds will do (monotonic time,
         which runs on while a process is stopped: a woken one asks again), and a question
         already in flight is not waited for."""
-        if recent and time.monotonic() - self._held_at < RECENT_S:
+        over = self._over  # final: found by a question that nobody waited for, say
+        if over is None and recent and time.monotonic() - self._held_at < RECENT_S:
             return
+        if over is not None:
+            self.on_over(over)
+            raise FenceClosed(over.line)
         with self._lock:  # one question in flight, for the writer, training and watchdog threads
             question, in_flight = self._question, True
             if question is None or question.done():
@@ -127,14 +133,17 @@ class Fence(NullFence):
             if unsure is not None and not self._unsure:
                 log.warning("%s; writing on", unsure)
             self._unsure = unsure is not None
-            if unsure is None or not strict:
+            if unsure is None:  # a verdict that could not tell is not reused: asked again
                 self._held_at = time.monotonic()
         if unsure is not None and strict:
             raise unsure
 
     def _answer(self, question: concurrent.futures.Future) -> None:
         try:
-            question.set_result(self._ask())
+            answer = self._ask()
+            if answer[0] is not None:
+                self._over = answer[0]
+            question.set_result(answer)
         except BaseException as e:  # noqa: BLE001 - handed to the check that waits for it
             question.set_exception(e)
 

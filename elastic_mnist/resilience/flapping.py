@@ -58,6 +58,12 @@ class Flapping:
                         self.quiet_s)
         return False
 
+    def ready(self, joins: set[tuple[int, int]]) -> None:
+        """The (agent, join) pairs ready to join at this look: a join that is not (lost again,
+        or not reached) waits anew when it is."""
+        for key in set(self._waiting) - joins:
+            del self._waiting[key]
+
     def admitted(self, agent: int, join: int) -> None:
         """The node of ``agent`` was admitted (as ``join``)."""
         self._admitted.setdefault(agent, []).append(self.clock())

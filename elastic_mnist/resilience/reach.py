@@ -39,9 +39,10 @@ from elastic_mnist.resilience.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
-CONNECT_S = 1.0
+CONNECT_S = 2.5
 """How long a connection to a peer's listener may take: a reachable node's takes milliseconds
-on any cluster network, and TCP retries a lost SYN only after a second."""
+on any cluster network, and TCP retries a lost SYN after a second (and again after three): one
+lost SYN is no cut."""
 
 
 def data_address(backend: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -114,6 +115,12 @@ def unreachable(source: str, targets: Mapping[int, str], timeout_s: float = CONN
                 if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
                     failed.add(node)
                 s.close()
+        for key, _ in selector.select(0):  # done as the time ran out: looked at once more
+            s = key.fileobj
+            node = pending.pop(s)
+            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
+                failed.add(node)
+            s.close()
         for s, node in pending.items():
             failed.add(node)
             s.close()
@@ -121,10 +128,11 @@ def unreachable(source: str, targets: Mapping[int, str], timeout_s: float = CONN
 
 
 def cut_off(unreachable_from: Mapping[int, set[int]], nodes: set[int]) -> list[int]:
-    """The fewest ``nodes`` to drop so that every pair of the rest reach each other, by what
-    each node found (``unreachable_from``: node → the nodes it could not reach; a pair is cut
-    when either side says so). Greedy: the node in the most cut pairs goes first, the higher
-    node first among equals (the job's rank 0 and its node stay where they can). Empty when
+    """Nodes to drop so that every pair of the rest reach each other, by what each node found
+    (``unreachable_from``: node → the nodes it could not reach; a pair is cut when either side
+    says so). Greedy, not the fewest in every graph: the node in the most cut pairs goes first,
+    the higher node first among equals, so that node 0 (the job's rank 0) stays where it can;
+    of two nodes cut from each other, the other goes, whichever side was cut. Empty when
     nothing is cut, or when no node reported."""
     cut = {frozenset((a, b)) for a, found in unreachable_from.items() for b in found
            if a != b and a in nodes and b in nodes}

@@ -59,6 +59,7 @@ from elastic_mnist.resilience.agreement import (
     grown,
     placed_env,
     pulse_key,
+    read_present,
     successor_env,
     watchers,
 )
@@ -112,7 +113,7 @@ class Recovery:
             fault = m.declare(why, list(suspects), detail)
             m.abort(fault)
             if fault.why == "hung":  # a stopped sibling named hung leaves only when killed
-                kill_stopped_siblings(m.identity.agent)
+                kill_stopped_siblings(m.identity.agent, lambda: pids_here(m, fault.suspects))
             m.inject(self.phase)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by
@@ -451,3 +452,11 @@ class Recovery:
             m.on_fallback(record)
         except Exception as e:  # noqa: BLE001 - leaving anyway: the line above says it
             log.warning("the fallback record was not written: %s", first_line(e))
+
+
+def pids_here(m: Member, ranks: list[int]) -> set[int]:
+    """The pids of ``ranks`` of the current generation that run on this host, as they said who
+    they are (read only for them: a hang's survivors look only where a sibling is stopped)."""
+    keys = [m.key(f"id/{rank}") for rank in ranks]
+    found = (Identity(**json.loads(v)) for v in read_present(m.store, keys).values())
+    return {i.pid for i in found if i.host == m.identity.host}

@@ -10,8 +10,8 @@ Every process raises its pulse every ``PULSE_S`` on its node's board, and one wo
 node writes the node's pulses into the coordination store (board.py). The watchdog's two
 *probers* (its first and last rank, on two nodes wherever the job has two) read the generation's
 pulses every ``LOOK_S`` (one ``multi_get`` of one record per node), and where a member's pulse
-stood still for ``SILENT_PULSES`` of the prober's own (about 1.5 s) while the prober's own step
-has been waiting for ``STALL_S``, it declares that member hung, as the hang verdict does: the
+stood still for ``SILENT_PULSES`` of the prober's own (about 1.5 s) while the prober has been
+waiting for its peers for ``STALL_S``, it declares that member hung, as the hang verdict does: the
 survivors go on in process without it (membership.py), and its node's other workers kill it if
 it still runs (recovery.py). Measured by the prober's own pulse, not its clock: a store that
 stalls, or a prober starved of CPU, holds back both.
@@ -48,9 +48,11 @@ LOOK_S = PULSE_S
 second, a quarter of what the store's event loop answers (``make scale``), and only while the
 job runs a step, never in a change."""
 STALL_S = 1.0
-"""How long the prober's own step must have waited before a silent member is named: more than
-the steps of a healthy job here (0.05 to 0.5 s), less than the silence (1.5 s), so that it
-delays no verdict."""
+"""How long the prober must have waited for its peers (in a collective, or for its result)
+before a silent member is named: more than the steps of a healthy job here (0.05 to 0.5 s), less
+than the silence (1.5 s), so that it delays no verdict; and at least ``STALL_STEPS`` of the
+slowest recent steps, where steps are slow (many ranks on few cores starve pulse threads too)."""
+STALL_STEPS = 2
 SILENT_S = SILENT_PULSES * PULSE_S
 """The silence that names a member, in seconds of the prober's own pulse."""
 
@@ -58,8 +60,9 @@ SILENT_S = SILENT_PULSES * PULSE_S
 class GenerationPulses:
     """Which members of one generation are silent now, by their pulses: the generation's
     identities (``known``, read ahead by its watchers as it begins) say where each member's
-    pulse is; ``own``, where the reader's is. Read on ``store``, the membership's connection for
-    quick operations (it holds no wait)."""
+    pulse is; ``own``, where the reader's is. Read on ``store``, the watchdog's connection (a read
+    that a silent store holds there holds the heartbeats, which are bounded, and no declaration
+    or fence question)."""
 
     def __init__(self, store: dist.Store, known: ReadOnce, own: PulseKey):
         self.store, self.known, self.own = store, known, own
@@ -80,13 +83,14 @@ class SilenceWatch:
 
     def __init__(self, rank: int, silent: Callable[[], set[int] | None],
                  stalled_s: Callable[[], float | None],
-                 declare: Callable[[list[int], str], None], stop: threading.Event):
+                 declare: Callable[[list[int], str], None], stop: threading.Event,
+                 slowest_step_s: Callable[[], float] = lambda: 0.0):
         """``silent()``: the members whose pulse stopped (None: not known yet);
-        ``stalled_s()``: how long this rank's own step has waited for its peers (None while it
-        is not armed, or busy with work of its own); ``declare(ranks, reason)``: names them;
-        ``stop``: set when the generation watched is over."""
+        ``stalled_s()``: how long this rank has waited for its peers in its current wait (None
+        while it does not); ``declare(ranks, reason)``: names them; ``stop``: set when the
+        generation watched is over; ``slowest_step_s()``: of the recent steps."""
         self.rank, self.silent, self.stalled_s = rank, silent, stalled_s
-        self.declare, self.stop = declare, stop
+        self.declare, self.stop, self.slowest_step_s = declare, stop, slowest_step_s
         self._thread = threading.Thread(target=self._run, daemon=True, name="watchdog-silence")
 
     def start(self) -> None:
@@ -103,7 +107,8 @@ class SilenceWatch:
                 continue
             silent = sorted((silent or set()) - {self.rank})
             stalled = self.stalled_s()
-            if not silent or stalled is None or stalled < STALL_S:
+            if not silent or stalled is None \
+                    or stalled < max(STALL_S, STALL_STEPS * self.slowest_step_s()):
                 continue
             began = time.monotonic()
             self.declare(silent, f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut "
@@ -112,13 +117,15 @@ class SilenceWatch:
             return
 
 
-def kill_stopped_siblings(agent: int) -> list[int]:
+def kill_stopped_siblings(agent: int, named: Callable[[], set[int]]) -> list[int]:
     """Kills this process's siblings (the other workers of its agent ``agent``) that are stopped
-    (SIGSTOP, a debugger), returning their pids: a rank named hung whose process is stopped
-    obeys its agent's SIGTERM only when continued, and the agent waits 30 s for it, or for ever
-    at the job's end. Each survivor of a hang looks at its own node, in ``/proc``: no store
-    operation."""
-    killed = []
+    (SIGSTOP: state T) and named hung, returning their pids: a rank named hung whose process is
+    stopped obeys its agent's SIGTERM only when continued, and the agent waits 30 s for it, or
+    for ever at the job's end. ``named()``: the pids of the ranks named, on this host, asked
+    only where a sibling is stopped (each survivor of a hang looks at its own node in ``/proc``,
+    and asks the store nothing otherwise). A process traced (a debugger, py-spy: state t), or
+    stopped but not named, is left alone."""
+    stopped = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -128,9 +135,14 @@ def kill_stopped_siblings(agent: int) -> list[int]:
             fields = (entry / "stat").read_text().rpartition(")")[2].split()
         except OSError:  # gone meanwhile, or not ours to read
             continue
-        if len(fields) > 1 and int(fields[1]) == agent and fields[0] in ("T", "t"):
-            log.error("killing pid %s, a stopped worker of this node named hung", entry.name)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(entry.name), signal.SIGKILL)
-            killed.append(int(entry.name))
+        if len(fields) > 1 and int(fields[1]) == agent and fields[0] == "T":
+            stopped.append(int(entry.name))
+    if not stopped:
+        return []
+    pids = named()
+    killed = [pid for pid in stopped if pid in pids]
+    for pid in killed:
+        log.error("killing pid %d, a stopped worker of this node named hung", pid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     return killed

@@ -41,8 +41,7 @@ a collective wait on. A collective itself is never busy: a rank hung during an e
 as during a step.
 
 A peer whose process or links went silent is named sooner, by its pulse: the probers also watch
-the generation's pulses, and name a member whose pulse stopped for 1.5 s while their own step
-waits (silence.py), as they would name it at the deadline.
+the generation's pulses, and name one that stopped while they wait for it (silence.py).
 
 Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
 the backend: gloo blocks inside the collective, NCCL returns at once and blocks at the next host
@@ -160,8 +159,8 @@ class Watchdog(NullWatchdog):
         self.step = 0
         self.armed = False
         self.busy_with = ""
-        self.waits = 0
-        """How many :meth:`waiting` blocks the training thread is in (they nest)."""
+        self.waits, self.waiting_since = 0, 0.0
+        """How many :meth:`waiting` blocks the training thread is in (they nest), since when."""
         self.last_progress = time.monotonic()
         self.beats = 0
         self.prober = env.rank in probers(env.world_size)
@@ -175,7 +174,7 @@ class Watchdog(NullWatchdog):
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._declaring = threading.Lock()  # two threads reach verdicts: the hang's, the silence's
         self.silence = (SilenceWatch(env.rank, silent, self.stalled_s, self._declare_silent,
-                                     self._stop)
+                                     self._stop, lambda: max(self.recent, default=0.0))
                         if silent is not None and go_on_without is not None and self.prober
                         else None)
         self.reach = (reach_for(env.rank, env.local_rank, backend, store, self._call)
@@ -220,6 +219,8 @@ class Watchdog(NullWatchdog):
         sync that reads its result): if the group hangs, it is not this rank that hangs it.
         Blocks nest: the step's wait holds a collective's own, and the rank waits until the
         outermost ends (NCCL's collective returns at once; the read after it blocks)."""
+        if not self.waits:
+            self.waiting_since = time.monotonic()
         self.waits += 1
         try:
             yield
@@ -231,11 +232,11 @@ class Watchdog(NullWatchdog):
         return self.waits > 0
 
     def stalled_s(self) -> float | None:
-        """How long this rank has made no progress, None before its first step and while it is
-        busy with work of its own (nobody holds it up then)."""
-        if not self.armed or self.busy_with:
+        """How long this rank has waited for its peers in its current wait; None while it does
+        not (and before its first step, and while busy with work of its own)."""
+        if not self.armed or self.busy_with or not self.waits:
             return None
-        return time.monotonic() - self.last_progress
+        return time.monotonic() - self.waiting_since
 
     def deadline_s(self) -> float:
         return max(self.floor_s, STEPS_PER_DEADLINE * max(self.recent, default=0.0))
@@ -430,8 +431,8 @@ class Watchdog(NullWatchdog):
         return False
 
     def _declare_silent(self, ranks: list[int], reason: str) -> None:
-        """A prober's silence watch names ``ranks`` (silence.py): declared as a hang, at once."""
-        self._declare(Verdict(ranks, ranks, reason, {}))
+        """The silence watch names ``ranks`` (silence.py): a hang; their node kills them."""
+        self._declare(Verdict(ranks, [], reason, {}))
 
     def _declare(self, verdict: Verdict) -> None:
         with self._declaring:  # the first verdict closes the watchdog; the other is dropped
