@@ -185,6 +185,7 @@ def test_tensorboard_writes_nothing_once_the_fence_is_over(tmp_path, monkeypatch
     from elastic_mnist.resilience.fence import Fence, FenceClosed, Over
 
     monkeypatch.setattr(fence, "RECENT_S", 0.0)  # every write asks: none reuses a verdict
+    monkeypatch.setattr(fence, "RECENT_WAIT_S", 5.0)  # and waits for the answer, however loaded
     verdict: list[Over | None] = [None]
     over: list[Over] = []
     threads = set(threading.enumerate())

@@ -15,12 +15,13 @@ records are rare and check every time; what runs every step (audit records) or e
 check and the write it allows is the one gap left.
 
 **Bounded, and off the step's path.** The reasons are asked in a thread of the fence's own, one
-question at a time, and no lock is held while they are: a store that does not answer (a link cut
-silently, an outage) holds the checks ``ASK_S`` at most from when the question was asked, however many wait for it,
-and a check that may reuse a verdict (every step's) does not wait for a question already in
-flight at all: a store that stops answering costs the steps one second, once. Either way, where no answer
-came, the ``fallback`` reason decides without the store (the checkpoint folder's copy of the job's
-generation, below), and the training goes on through a store outage.
+question at a time, and no lock is held while they are: a store that does not answer (a link
+cut silently, an outage) holds the checks ``ASK_S`` at most from when the question was asked,
+however many wait for it, and a check that may reuse a verdict (every step's)
+``RECENT_WAIT_S``, and not at all for a question already in flight. Where no answer came, the
+``fallback`` reason decides without the store (the checkpoint folder's copy of the job's
+generation, below), and the training goes on through a store outage; an "over" that a question
+finds later is acted on at the next check, whoever asked.
 
 A coordination store that does not answer (an outage longer than its client's timeout, or its
 host's agent gone first as the whole job is stopped) cannot say whether this process is still the
@@ -51,6 +52,11 @@ ASK_S = 1.0
 """How long a check waits for its reasons' answer before the ``fallback`` decides: a store
 answers in milliseconds, and a commit that waits holds the step (a store outage cost the job 2.3 s
 at 2 s here, ``make partitions``)."""
+RECENT_WAIT_S = 0.05
+"""How long a check that may reuse a verdict (every step's) waits for a fresh question's answer:
+a store answers in a millisecond, and where each process paid up to ``ASK_S`` once as an outage
+began, at its own step, the steps paid it once per process in turn (2.1 s at 3 × 2 ranks). An
+"over" that comes later is acted on at the next check."""
 
 
 class Over(NamedTuple):
@@ -123,7 +129,8 @@ class Fence(NullFence):
         # costs the checks of those minutes ASK_S in all, not ASK_S each.
         left = max(0.0, self._asked_at + self.ask_s - time.monotonic())
         try:
-            over, unsure = question.result(0 if recent and in_flight else left)
+            over, unsure = question.result(
+                0 if recent and in_flight else min(left, RECENT_WAIT_S) if recent else left)
         except concurrent.futures.TimeoutError:
             over, unsure = self._without_store()
         if over is not None:
@@ -133,7 +140,7 @@ class Fence(NullFence):
             if unsure is not None and not self._unsure:
                 log.warning("%s; writing on", unsure)
             self._unsure = unsure is not None
-            if unsure is None:  # a verdict that could not tell is not reused: asked again
+            if unsure is None or not strict:  # an "over" found meanwhile is acted on first
                 self._held_at = time.monotonic()
         if unsure is not None and strict:
             raise unsure
