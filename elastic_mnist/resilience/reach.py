@@ -19,6 +19,7 @@ thousand connections a node, once a beat, only while the job is stuck.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import selectors
@@ -50,7 +51,13 @@ def data_address(backend: str, environ: Mapping[str, str] = os.environ) -> str |
     first interface that ``GLOO_SOCKET_IFNAME`` names (``NCCL_SOCKET_IFNAME`` under NCCL, where
     a name that excludes, ``^...``, picks none), else the host name's first address that binds
     here. None where the interfaces named have no address."""
-    names = environ.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else IFNAME)
+    return _address(environ.get("NCCL_SOCKET_IFNAME" if backend == "nccl" else IFNAME))
+
+
+@functools.lru_cache(maxsize=8)
+def _address(names: str | None) -> str | None:
+    """:func:`data_address` for the interfaces ``names``: looked up once per process (the host
+    name's resolution, a DNS query perhaps, is not made again at every change of generation)."""
     if ifname_is_set(names) and not names.startswith("^"):
         for name in filter(None, names.split(",")):
             found = interface_address(name.lstrip("="))
