@@ -134,14 +134,12 @@ class Membership(NullMembership):
         never come to torchrun's exit barrier."""
         self.joined_agents: set[tuple[str, int]] = set()
         """Agents of nodes that joined in process: no agents of the launch's round."""
-        self.faulted = None
-        self.broken = None
+        self.faulted = self.broken = None
         self._lock = threading.RLock()
         self._group_lock = threading.Lock()
         """Held while the default group is aborted or destroyed, and the generation moved on."""
         self._pending: set[torch.futures.Future] = set()
-        self._declaring = threading.Lock()
-        self._closed = False
+        self._declaring, self._closed = threading.Lock(), False
         self.connections = Connections.open(store)
         """The process's connections to the store besides ``store``, one per use."""
         self.current = CurrentGeneration(self.connections.declare, self.folder, launch)
@@ -463,16 +461,17 @@ class Membership(NullMembership):
                              mirror=self.env.local_rank == 0)
 
     def dropped(self) -> Over | None:
-        """Why this process is no longer one of the job's ranks, or None while it is: see
-        :meth:`CurrentGeneration.dropped`."""
-        if self.joining:  # no rank of any generation yet: nothing to be dropped from
-            return None
-        return self.current.dropped(self.generation, self.env.rank)
+        """Why this process is no longer one of the job's ranks, or None while it is (none while
+        it joins): see :meth:`CurrentGeneration.dropped`."""
+        with self._lock:  # its generation and rank together: a change moves both (move_on)
+            joining, generation, rank = self.joining, self.generation, self.env.rank
+        return None if joining else self.current.dropped(generation, rank)
 
     def dropped_by_file(self) -> Over | None:
         """:meth:`dropped`, as the checkpoint folder says it: a fence's, whose store is silent."""
-        return None if self.joining else self.current.dropped_by_file(
-            self.generation, self.env.rank, "no answer in time")
+        with self._lock:
+            joining, generation, rank = self.joining, self.generation, self.env.rank
+        return None if joining else self.current.dropped_by_file(generation, rank, "no answer")
 
     def _member_agents(self) -> tuple[int, set[tuple[str, int]]]:
         """The generation, and the agents of its ranks as the rendezvous names them (name, pid);

@@ -139,7 +139,12 @@ def kill_stopped_siblings(agent: int, named: Callable[[], set[int]]) -> list[int
             stopped.append(int(entry.name))
     if not stopped:
         return []
-    pids = named()
+    try:
+        pids = named()
+    except RuntimeError as e:  # DistStoreError: a kill is no reason to fail the recovery
+        log.warning("could not read which ranks were named hung (%s): a stopped sibling is "
+                    "left to its agent", first_line(e))
+        return []
     killed = [pid for pid in stopped if pid in pids]
     for pid in killed:
         log.error("killing pid %d, a stopped worker of this node named hung", pid)
