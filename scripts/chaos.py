@@ -38,7 +38,10 @@ cut-node, cut-data, cut-control, cut-in, cut-out, flap-node, slow-link and store
 empty) and then healed. For them chaos reports how the job answered (rode it out, in process, or
 by a restart), whether the healthy nodes' workers are the same processes after it, and whether
 the node was back at the job's size after the heal; it does not fail on any of it (the targets
-are scripts/partitions.py's), only on what it checks for every run.
+are scripts/partitions.py's), only on what it checks for every run. Its ``--json`` record says
+each fault's first answer beside how it was answered in the end, and the exit code of every
+agent that ended before chaos stopped the nodes (``agent_exits``: a node's agent that died
+during a cut is there, not 0).
 
 Then it checks, and exits 1 on any failure: the job finished; every completed epoch used every
 sample exactly once (scripts/check_audit.py); the final test accuracy is within --tolerance of an
@@ -144,6 +147,10 @@ class Fault:
     (None: the job ended first)."""
     grows: int | None = None
     """A network fault: nodes admitted in process while it lasted and until the job was back."""
+    first_answer: str | None = None
+    """A network fault: the job's first answer to it, "in-process" (a shrink), "restart" or
+    "none"; :attr:`recovery` says "restart" wherever one followed (under c10d a node's return
+    restarts every worker)."""
 
     def back_since(self) -> float | None:
         """From when a step at full size counts as the job back: after a departure, from the
@@ -320,6 +327,10 @@ def watch_network(fault: Fault, hit: netfaults.Strike, observer: Observer,
     fault.recovery, fault.noticed, fault.restarted = (answer.recovery, answer.noticed,
                                                       answer.regrouped)
     fault.grows = answer.grows
+    first = min((e for e in observer.events() if e["event"] in ("shrink", "start")
+                 and event_time(e) > fault.at), key=event_time, default=None)
+    fault.first_answer = ("none" if first is None
+                          else "in-process" if first["event"] == "shrink" else "restart")
 
 
 def watch_skip(fault: Fault, observer: Observer, timeout: float) -> None:
@@ -799,6 +810,7 @@ def main(argv: list[str] | None = None) -> int:
             "first_step_world_size": first_step["world_size"] if first_step else None,
             "recovery": args.recovery,
             "exit_after_last_step_s": {str(node): s for node, s in exits.items()},
+            "agent_exits": {str(node): code for node, code in cluster.exited.items()},
             "faults": [{"kind": f.kind, "node": f.node, "step": f.step,
                         "expected": f.expected, "recovery": f.recovery,
                         "survivors_kept": f.survivors_kept,
@@ -809,7 +821,8 @@ def main(argv: list[str] | None = None) -> int:
                         "gap_s": f.gap_s, "full_s": f.full_s,
                         "steps_redone": f.steps_redone, "job_done_first": f.job_done_first,
                         "size_before": f.size_before, "seconds": f.seconds,
-                        "came_back": f.came_back, "grows": f.grows}
+                        "came_back": f.came_back, "grows": f.grows,
+                        "first_answer": f.first_answer}
                        for f in faults if f.at]}, indent=2))
     for failure in failures:
         print(f"FAIL {failure}")

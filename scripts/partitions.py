@@ -8,13 +8,15 @@ targets of issue 42.
 Each case is one chaos run (scripts/chaos.py ``--hosts netns``): 3 nodes × 2 workers, each node a
 host of its own (a network namespace with its own host name, a control link to the store and a
 data link to its peers, ``GLOO_SOCKET_IFNAME=data``; scripts/hosts.py), the store
-``elastic-mnist rendezvous`` on a host of its own on the control bridge, our rendezvous,
-checkpoints in one shared folder, every node launched by ``jobs/node.sh`` (or, with ``--launch
-torchrun``, by the README's multi-node torchrun line). At step LEAD_STEP one fault strikes node 2
-(or the store) and heals after its seconds; the cases run one after another:
+``elastic-mnist rendezvous`` on a host of its own on the control bridge, our rendezvous (torch's
+``c10d`` in c10d-60), checkpoints in one shared folder, every node launched by ``jobs/node.sh``
+(or, with ``--launch torchrun``, by the README's multi-node torchrun line). At step LEAD_STEP one
+fault strikes node 2 (or the store) and heals after its seconds; the cases run one after another:
 
     kill          the node SIGKILLed, for comparison (the kernel answers for it: connections reset)
     cut-60        all its links cut for 60 s: silent, as a machine whose power failed
+    c10d-60       cut-60 under torch's c10d rendezvous: every agent must live through it (its
+                  return restarts every worker there, as any join does)
     rank0-30      all the links of rank 0's node cut for 30 s: it writes the checkpoints, events
                   and dashboards, and must write none after its drop
     cut-5         all its links cut for 5 s: longer than the detection (1.5 s), dropped too
@@ -28,9 +30,9 @@ torchrun``, by the README's multi-node torchrun line). At step LEAD_STEP one fau
 
 Per case: the healthy nodes' longest wait between two steps (from the fault until the job steps
 at its size again after the heal), the seconds to the job's first step after the fault, how the
-job answered (rode it out, in process, or a restart), whether any healthy process restarted (a
-worker of the untouched nodes that is no longer running), whether the job was back at its size
-after the heal, whether every sample was used exactly once (scripts/check_audit.py), what a
+job answered (rode it out, in process, a restart, or in process and then a restart), whether any
+healthy process restarted (a worker of the untouched nodes that is no longer running), whether the
+job was back at its size after the heal, whether every sample was used exactly once (scripts/check_audit.py), what a
 process the job went on without wrote into the shared folder after that (scripts/cutoff.py:
 nothing, in every case), and the target, met or NOT MET. Exit 1 where the harness failed, a
 sample was lost or doubled, or a process wrote after its drop; with --strict also where a target
@@ -88,6 +90,8 @@ class Case:
     case is skipped, and its row says why."""
     node: int = VICTIM
     """The node the fault strikes (node 0 holds rank 0: the checkpoints, events, dashboards)."""
+    rdzv_backend: str = "elastic-mnist"
+    """The agents' rendezvous (chaos's ``--rdzv-backend``): ours, or torch's ``c10d``."""
 
 
 def healthy(f: dict) -> bool:
@@ -105,6 +109,20 @@ def one_sided(f: dict) -> bool:
     return within(f, HANG_TIMEOUT + 2) and healthy(f) and bool(f["came_back"])
 
 
+def agents_lived(f: dict) -> bool:
+    """Every torchrun agent that ended before chaos stopped the nodes ended with 0: none died
+    or failed (one that left early with 0 leaves the job short of its size: not back after)."""
+    return all(code == 0 for code in f["agent_exits"].values())
+
+
+def c10d_cut(f: dict) -> bool:
+    """Under c10d the others go on in process as under ours, and every agent lives through the
+    cut; the node's return restarts every worker (a join does there), so the longest wait and
+    the healthy processes are not judged."""
+    return (f["first_answer"] == "in-process" and f["first_step_s"] is not None
+            and f["first_step_s"] <= 2 and bool(f["came_back"]) and agents_lived(f))
+
+
 CASES = {
     "kill": Case("a node SIGKILLed (for comparison)", "kill-node", None,
                  "≤ 2 s, in process", lambda f: within(f, 2) and f["recovery"] == "in-process"
@@ -112,6 +130,9 @@ CASES = {
     "cut-60": Case("a node's links cut for 60 s", "cut-node", 60,
                    "≤ 2 s like a crash, in process, back after",
                    lambda f: within(f, 2) and healthy(f) and bool(f["came_back"])),
+    "c10d-60": Case("a node's links cut for 60 s, under torch's c10d rendezvous", "cut-node", 60,
+                    "every agent lives, the others' first step ≤ 2 s in process, back after "
+                    "(by a restart of every worker)", c10d_cut, rdzv_backend="c10d"),
     "cut-5": Case("a node's links cut for 5 s", "cut-node", 5,
                   "≤ 2 s like a crash, in process, back after",
                   lambda f: within(f, 2) and healthy(f) and bool(f["came_back"])),
@@ -146,18 +167,25 @@ def steps_for(case: Case, rate: float) -> int:
     return LEAD_STEP + int(rate * ((case.seconds or 0) + COMEBACK_S)) + TAIL_STEPS
 
 
-def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dict:
-    """One chaos run of ``case``; its fault's record, with the run's failures beside it."""
-    workdir = root / name
-    out = workdir / "faults.json"
+def chaos_argv(case: Case, workdir: Path, launch: str, rate: float) -> list[str]:
+    """scripts/chaos.py's flags for one run of ``case`` in ``workdir``, its record in
+    ``workdir/faults.json``."""
     schedule = f"{LEAD_STEP}:{case.kind}:" + (
         "" if case.kind == "store-outage" else str(case.node)) + (
         f":{case.seconds:g}" if case.seconds else "")
-    argv = ["--hosts", "netns", "--nodes", "3", "--start-nodes", "3", "--nproc-per-node", "2",
-            "--store", "external", "--launch", launch, "--schedule", schedule,
-            "--steps", str(steps_for(case, rate)), "--no-reference",
+    return ["--hosts", "netns", "--nodes", "3", "--start-nodes", "3", "--nproc-per-node", "2",
+            "--store", "external", "--launch", launch, "--rdzv-backend", case.rdzv_backend,
+            "--schedule", schedule, "--steps", str(steps_for(case, rate)), "--no-reference",
             "--timeout", str(600 + 2 * (case.seconds or 0)),
-            "--workdir", str(workdir), "--json", str(out)]
+            "--workdir", str(workdir), "--json", str(workdir / "faults.json")]
+
+
+def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dict:
+    """One chaos run of ``case``; its fault's record, with the run's failures and the agents'
+    exit codes beside it."""
+    workdir = root / name
+    out = workdir / "faults.json"
+    argv = chaos_argv(case, workdir, launch, rate)
     print(f"partitions: {name}: scripts/chaos.py {' '.join(argv)}", flush=True)
     try:
         chaos.main(argv)
@@ -169,6 +197,7 @@ def run_case(name: str, case: Case, root: Path, launch: str, rate: float) -> dic
     if not report["faults"]:
         raise RuntimeError(f"{name}: the fault never struck ({report['failures']})")
     return {**report["faults"][-1], "failures": report["failures"],
+            "agent_exits": report["agent_exits"],
             "late_writes": cutoff.late_writes(workdir / "shared", RUN_ID)}
 
 
@@ -185,6 +214,8 @@ def exactly_once(record: dict) -> bool:
 def answered(f: dict) -> str:
     words = {"none": "rode it out", "in-process": "in process", "restart": "restart"}
     said = words.get(f["recovery"], "—")
+    if f.get("first_answer") == "in-process" and f["recovery"] == "restart":
+        said = "in process, then a restart"
     if f.get("grows"):
         said += f", {f['grows']} admitted back" if f["grows"] > 1 else ", admitted back"
     return said
@@ -268,9 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     minutes = (time.time() - started) / 60
     launched = "the README's torchrun line" if args.launch == "torchrun" else "jobs/node.sh"
     summary = (f"{table(results)}\n\n3 nodes × 2 workers, each a host of its own, launched by "
-               f"{launched}, our rendezvous, the fault at step {LEAD_STEP} on node {VICTIM} (node "
-               f"0 for rank0-30, or "
-               f"the store); one run a case, {minutes:.0f} minutes in all. `make partitions`.")
+               f"{launched}, our rendezvous (torch's c10d for c10d-60), the fault at step "
+               f"{LEAD_STEP} on node {VICTIM} (node 0 for rank0-30, or the store); one run a "
+               f"case, {minutes:.0f} minutes in all. `make partitions`.")
     print(summary)
     harness = [n for n, f in results.items() if "error" in f]
     measured = {n: f for n, f in results.items() if "error" not in f and "skipped" not in f}

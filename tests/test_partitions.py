@@ -103,6 +103,64 @@ def test_each_case_is_judged_against_its_target():
     assert cases["slow"].met(record(gap_s=3.0, recovery="none"))
 
 
+def test_the_c10d_case_is_cut_60_under_torchs_rendezvous_and_asks_every_agent_to_live(tmp_path):
+    """c10d-60 runs chaos as cut-60 does but with --rdzv-backend c10d. Its target: every agent
+    lives (each that ended before chaos stopped the nodes ended with 0), the others' first step
+    within 2 s and in process, the node back; not the longest wait or the healthy processes, as
+    the node's return restarts every worker there."""
+    c10d, cut = partitions.CASES["c10d-60"], partitions.CASES["cut-60"]
+    argv = partitions.chaos_argv(c10d, tmp_path, "node.sh", 25.0)
+    ours = partitions.chaos_argv(cut, tmp_path, "node.sh", 25.0)
+    at = argv.index("--rdzv-backend")
+    assert (argv[at + 1], ours[at + 1]) == ("c10d", "elastic-mnist")
+    assert argv[:at] + argv[at + 2:] == ours[:at] + ours[at + 2:]
+    assert "100:cut-node:2:60" in argv and argv[argv.index("--store") + 1] == "external"
+
+    lived = record(gap_s=10.6, first_step_s=1.7, recovery="restart", first_answer="in-process",
+                   survivors_kept=False, grows=0, agent_exits={"0": 0, "1": 0, "2": 0},
+                   late_writes=[])
+    assert partitions.met(c10d, lived)
+    assert not cut.met(lived)  # under ours nobody healthy restarts
+    for died in ({"0": 0, "1": 0, "2": 1}, {"0": 0, "2": -9}):  # failed; killed by a signal
+        assert not partitions.met(c10d, {**lived, "agent_exits": died}), died
+    assert not c10d.met({**lived, "first_answer": "restart", "first_step_s": 1.7})
+    assert not c10d.met({**lived, "first_step_s": 10.6})
+    assert not c10d.met({**lived, "came_back": False})
+    row = partitions.table({"c10d-60": lived}).splitlines()[2]
+    assert "| 10.6 | 1.7 | in process, then a restart | yes | yes | yes | nothing |" in row
+    assert row.endswith("| met |")
+
+
+def test_chaos_records_a_network_faults_first_answer_beside_its_last():
+    """Under c10d a cut node's return restarts every worker after the others went on in
+    process: its record says both (first_answer, recovery)."""
+    base = 1_700_000_000.0
+
+    class Observer:
+        def world_size(self, since):
+            return 6
+
+        def finished(self):
+            return False
+
+        def events(self):
+            return [event("shrink", base + 2, detected_time=base + 1.5, regrouped_time=base + 2),
+                    event("start", base + 70)]
+
+        def audit(self):
+            return []
+
+    class Healed:
+        at, healed = base, base + 60
+
+        def heal(self):
+            pass
+
+    fault = chaos.Fault(step=100, kind="cut-node", node=2, at=base, size_before=6, seconds=60)
+    chaos.watch_network(fault, Healed(), Observer(), deadline=time.time() + 10)
+    assert (fault.first_answer, fault.recovery, fault.came_back) == ("in-process", "restart", True)
+
+
 def test_the_table_says_what_each_case_cost_and_whether_it_met_its_target():
     rows = partitions.table({
         "cut-60": record(gap_s=10.5, first_step_s=10.4, late_writes=[]),
