@@ -5,10 +5,12 @@ is `make partitions`' data-30 and out-30 cases."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 
 import pytest
+import torch.distributed as dist
 
 from elastic_mnist.resilience import reach
 from elastic_mnist.resilience.heartbeat import Heartbeat
@@ -101,38 +103,123 @@ def wait_for(condition, timeout=5.0):
         time.sleep(0.02)
 
 
-@pytest.mark.parametrize("stalled_s", [None, 1.0])
-def test_a_node_tries_only_once_its_step_waited_half_the_deadline(stalled_s):
-    store = Store()
+@pytest.mark.parametrize("stalled_s", [None, 0.5])
+def test_a_node_tries_only_once_its_step_waited_long_enough_and_says_what_it_found(stalled_s):
+    store = dist.HashStore()
     call = lambda method, *args: method(*args)
     mine = reach.ReachWatch(0, reach.Listener("127.0.0.1"), store, call)
     theirs = reach.ReachWatch(2, reach.Listener("127.0.0.1"), store, call)
     mine.announce()
     theirs.announce()
+    said = lambda: json.loads(store.get(f"{reach.FOUND}/0"))
     try:
-        mine.beat(stalled_s, 10.0)  # busy, or waiting 1 s of a 10 s deadline: no try
+        mine.beat(stalled_s, 1.0, step=7)  # busy, or waiting 0.5 s of the 1 s: no try
         assert mine._trying is None and mine.found == []
-        mine.beat(6.0, 10.0)
+        mine.beat(1.5, 1.0, step=7)
         mine._trying.join(timeout=5)
         assert mine.found == [] and mine._targets == {2: theirs.listener.address}
-        theirs.close()  # node 2 stops answering
-        mine.beat(6.0, 10.0)
+        assert said() == {"step": 7, "found": []} and store.add(reach.CUTS, 0) == 0
+        theirs.listener.close()  # node 2 stops answering
+        mine.beat(1.5, 1.0, step=7)
         wait_for(lambda: mine.found == [2])
-        mine.beat(0.1, 10.0)  # a step completed: nothing found any more
+        mine._trying.join(timeout=5)
+        assert said() == {"step": 7, "found": [2]} and store.add(reach.CUTS, 0) == 1
+        mine.beat(0.1, 1.0, step=8)  # a step completed: nothing found any more
         assert mine.found == []
     finally:
-        mine.close()
-        theirs.close()
+        mine.listener.close()
+        theirs.listener.close()
 
 
 def test_only_a_nodes_first_worker_with_an_address_tries():
     call = lambda method, *args: method(*args)
     assert reach.reach_for(5, 1, "gloo", Store(), call) is reach.NO_REACH
     watch = reach.reach_for(4, 0, "gloo", Store(), call)
+    assert isinstance(watch, reach.ReachWatch) and watch.node == 4
+    # The listener is the process's: it outlives the generation (a change's survey tries it).
+    watch.close()
+    again = reach.reach_for(4, 0, "gloo", Store(), call)
+    assert again.listener is watch.listener
+    assert reach.unreachable("0.0.0.0", {4: watch.listener.address}) == set()
+
+
+def announced(store, prefix: str, nodes: list[int]) -> dict[int, reach.Listener]:
+    """Each node's first worker, listening, said where in the generation ``prefix``."""
+    listeners = {node: reach.Listener("127.0.0.1") for node in nodes}
+    for i, (node, listener) in enumerate(listeners.items()):
+        store.add(f"{prefix}{reach.NODES}", 1)
+        store.set(f"{prefix}{reach.NODES}/{i}", f"{node} {listener.address}")
+    return listeners
+
+
+def test_a_change_goes_on_without_the_node_its_new_group_cannot_be_built_across():
+    """One way of node 4's data link dropped: its own collective fails at once, every rank
+    checks in (each reaches the store), and the new group of all six can never be built. The
+    survey made as the change began names node 4, once the tries are done."""
+    store, prefix = dist.HashStore(), "g3/"
+    listeners = announced(store, prefix, [0, 2, 4])
+    listeners[4].close()  # its peers do not hear it; it still reaches them
     try:
-        assert isinstance(watch, reach.ReachWatch) and watch.node == 4
+        for node in (0, 2, 4):
+            reach.survey(store, prefix, node, listeners[node]).join(timeout=10)
+        assert json.loads(store.get(f"{prefix}{reach.FOUND}/0")) == {"step": None, "found": [4]}
+        assert json.loads(store.get(f"{prefix}{reach.FOUND}/4"))["found"] == []
+        # The new group's ranks, each with its node in the surveyed generation.
+        survey = reach.Survey(store, prefix, {0: 0, 1: 0, 2: 2, 3: 2, 4: 4, 5: 4})
+        assert survey.cut(0.5) == ([], "")  # a group over a sound network is built by then
+        ranks, why = survey.cut(reach.CONNECT_S)
+        assert ranks == [4, 5]
+        assert why.startswith("the new group cannot be built across a cut on the data network "
+                              "(node of rank 0 could not reach the node(s) of rank(s) 4;")
+        # Without node 4 in the new group: nobody.
+        assert reach.Survey(store, prefix, {0: 0, 1: 2}).cut(reach.CONNECT_S) == ([], "")
     finally:
-        watch.close()
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_a_prober_names_the_cut_node_as_soon_as_every_node_has_said_in_this_wait():
+    """The generation's nodes (first ranks 0, 2, 4) tried each other while the step after step
+    7 waited: the prober's look names node 4's ranks as soon as all three said, with no wait
+    for the hang verdict; what was found in an earlier wait counts for nothing."""
+    store, prefix = dist.HashStore(), ""
+    listeners = announced(store, prefix, [0, 2, 4])
+    step = [7]
+    look = reach.Cuts(store, lambda method, *args: method(*args), 6, lambda: step[0])
+    say = lambda node, found, at=7: store.set(f"{reach.FOUND}/{node}",
+                                              json.dumps({"step": at, "found": found}))
+    try:
+        assert look(None) == ([], "") and look(0.1) == ([], "")  # nobody found a cut yet
+        say(0, [4])
+        store.add(reach.CUTS, 1)
+        say(2, [4], at=6)  # an earlier wait's: not yet said in this one
+        assert look(0.1) == ([], "")
+        say(2, [4])
+        say(4, [0, 2])
+        ranks, why = look(0.2)
+        assert ranks == [4, 5] and why.startswith("cut off from its peers on the data network")
+        step[0] = 9  # a later wait: what was said in the last counts for nothing
+        assert look(reach.Cuts.PATIENCE_S) == ([], "")
+    finally:
+        for listener in listeners.values():
+            listener.close()
+
+
+def test_a_survey_waits_for_every_nodes_word_then_goes_on_with_what_was_said():
+    """Node 0 alone has said what it found: until twice the tries' bound, the others may yet
+    say (a verdict from one side could drop the wrong node); after, what was said decides."""
+    store, prefix = dist.HashStore(), "g5/"
+    say = lambda node, found: store.set(f"{prefix}{reach.FOUND}/{node}",
+                                        json.dumps({"step": None, "found": found}))
+    say(0, [2])
+    survey = reach.Survey(store, prefix, {0: 0, 1: 2, 2: 4})
+    assert survey.cut(reach.CONNECT_S) == ([], "")
+    say(4, [])
+    assert survey.cut(2 * reach.CONNECT_S - 0.1) == ([], "")
+    assert survey.cut(2 * reach.CONNECT_S)[0] == [1]
+    # Nothing found anywhere: nobody, however long the group waits.
+    say(2, [])
+    assert reach.Survey(store, prefix, {0: 2, 1: 4}).cut(60.0) == ([], "")
 
 
 def test_rank_0_admits_a_joining_node_only_once_it_answers_on_the_data_network(monkeypatch,

@@ -180,6 +180,31 @@ def test_where_steps_are_slow_the_wait_must_be_longer_than_two_of_them():
         w.stop.set()
 
 
+def test_a_node_cut_off_from_its_peers_is_named_once_the_nodes_have_tried():
+    """Its pulses go on (it reaches the store), so no silence: what the nodes found as they
+    tried each other names it, counted from the moment the wait was long enough to try."""
+    w = Watch(rank=0)
+    asked: list[float | None] = []
+
+    def cut(trying_s):
+        asked.append(trying_s)
+        return ([4, 5], "cut off from its peers") if trying_s is not None and trying_s >= 0.5 \
+            else ([], "")
+
+    w.watch.cut = cut
+    w.stalled = 0.5  # too short a wait to try
+    w.watch.start()
+    try:
+        wait_for(lambda: len(asked) >= 3)
+        assert w.declared == [] and set(asked) == {None}
+        w.stalled = silence.STALL_S + 0.6
+        wait_for(lambda: w.declared)
+        assert w.declared == [([4, 5], "cut off from its peers")]
+        assert 0.5 <= asked[-1] < 0.7
+    finally:
+        w.stop.set()
+
+
 def test_a_join_that_stops_being_ready_waits_anew():
     from elastic_mnist.resilience.flapping import Flapping
 

@@ -65,6 +65,7 @@ from elastic_mnist.resilience.agreement import (
 )
 from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.faces import Member
+from elastic_mnist.resilience.reach import Survey, node_listener, survey
 from elastic_mnist.resilience.read_once import ReadOnce
 from elastic_mnist.resilience.silence import kill_stopped_siblings
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
@@ -91,6 +92,9 @@ class Recovery:
         """For each rank of the current generation, its rank where the change began."""
         self._pulse_keys: dict[int, str | None] = {}
         """The current generation's members' pulse keys, once a recovery has named them."""
+        self._survey: Survey | None = None
+        """What the nodes found as the change began, where this rank watches the new group
+        (reach.py)."""
         self._deadline: threading.Timer | None = None
         self._refilling: threading.Thread | None = None
         """Opens the spare connections a change took, once it is over."""
@@ -115,6 +119,9 @@ class Recovery:
             if fault.why == "hung":  # a stopped sibling named hung leaves only when killed
                 kill_stopped_siblings(m.identity.agent, lambda: pids_here(m, fault.suspects))
             m.inject(self.phase)
+            listener = node_listener(m.env.local_rank, backend_for(m.device))
+            if listener is not None:  # for a new group that cannot be built across a cut
+                survey(m.connections.declare, m.key(""), m.env.rank, listener)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by
             # itself (relay.py): a node's survivors make one check-in and one read.
@@ -151,6 +158,9 @@ class Recovery:
                 members.index(m.env.rank) in watchers(range(len(members)))
             if needs and any(identities[r] == UNKNOWN for r in members):
                 identities.read(again=True)
+            self._survey = (self._surveyed(members, identities)
+                            if members.index(m.env.rank) in watchers(range(len(members)))
+                            else None)
             env = (placed_env(m.env, members, agreed["nodes"]) if agreed["nodes"] is not None
                    else successor_env(m.env, members, identities))
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
@@ -188,7 +198,7 @@ class Recovery:
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
         self._arm_deadline()
-        self.change, self._origin = None, []
+        self.change, self._origin, self._survey = None, [], None
         self.phase = "admitting the joining nodes"
         change, identities = self._grown(decision, m.generation + 1, position.step,
                                          position.evaluated_step, detected, detected_at)
@@ -269,6 +279,19 @@ class Recovery:
             line = over.line
         self._disarm()
         return Dropped(line)
+
+    def _surveyed(self, members: list[int], identities: Mapping[int, Identity]
+                  ) -> Survey | None:
+        """What the nodes of ``members`` (old ranks, in their new order) found as the change
+        began (reach.py), each node known by its first member's rank, as its first worker said
+        where it listens; None where an identity is unknown."""
+        if any(identities[r] == UNKNOWN for r in members):
+            return None
+        first: dict[tuple[str, int], int] = {}
+        for r in sorted(members):
+            first.setdefault(identities[r].node, r)
+        return Survey(self.member.connections.declare, self.member.key(""),
+                      {new: first[identities[old].node] for new, old in enumerate(members)})
 
     def _widen(self, change: Change, members: list[int]) -> Change:
         """``change`` as one with the change still being recovered, if any: from the world that
@@ -373,12 +396,18 @@ class Recovery:
         guarded.add_done_callback(lambda _: finished.set())
         # The generation's watchers read its members' pulses; every other member waits.
         pulses = Pulses(m.store, self._pulse_keys, m.pulse_key) if self._pulse_keys else None
+        began, survey_ = time.monotonic(), self._survey if pulses is not None else None
         while not finished.wait(PULSE_S):
             try:
                 silent = pulses.silent() - {m.env.rank} if pulses is not None else set()
                 if silent:
                     m.declare("died", sorted(silent), f"no pulse from rank(s) "
                               f"{', '.join(map(str, sorted(silent)))} while {phase}")
+                elif survey_ is not None:  # members alive: across a cut? (reach.py)
+                    cut, why = survey_.cut(time.monotonic() - began)
+                    if cut:
+                        m.declare("hung", cut, f"{why} while {phase}")
+                        survey_ = None
             except RuntimeError as e:  # DistStoreError: the store went, nobody to agree with
                 self.failure = f"{phase}: the coordination store does not answer"
                 raise self._left_behind() or CannotRecover(

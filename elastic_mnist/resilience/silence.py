@@ -84,13 +84,17 @@ class SilenceWatch:
     def __init__(self, rank: int, silent: Callable[[], set[int] | None],
                  stalled_s: Callable[[], float | None],
                  declare: Callable[[list[int], str], None], stop: threading.Event,
-                 slowest_step_s: Callable[[], float] = lambda: 0.0):
+                 slowest_step_s: Callable[[], float] = lambda: 0.0,
+                 cut: Callable[[float | None], tuple[list[int], str]] | None = None):
         """``silent()``: the members whose pulse stopped (None: not known yet);
         ``stalled_s()``: how long this rank has waited for its peers in its current wait (None
         while it does not); ``declare(ranks, reason)``: names them; ``stop``: set when the
-        generation watched is over; ``slowest_step_s()``: of the recent steps."""
+        generation watched is over; ``slowest_step_s()``: of the recent steps; ``cut(s)``: the
+        ranks of the nodes cut off from their peers, and why, by what the nodes found in the
+        ``s`` seconds they have tried (reach.py; None: this wait is too short)."""
         self.rank, self.silent, self.stalled_s = rank, silent, stalled_s
         self.declare, self.stop, self.slowest_step_s = declare, stop, slowest_step_s
+        self.cut = cut
         self._thread = threading.Thread(target=self._run, daemon=True, name="watchdog-silence")
 
     def start(self) -> None:
@@ -106,15 +110,34 @@ class SilenceWatch:
                 log.debug("the pulses were not read: %s", first_line(e))
                 continue
             silent = sorted((silent or set()) - {self.rank})
-            stalled = self.stalled_s()
-            if not silent or stalled is None \
-                    or stalled < max(STALL_S, STALL_STEPS * self.slowest_step_s()):
+            stalled, after = self.stalled_s(), stall_after(self.slowest_step_s())
+            trying = None if stalled is None or stalled < after else stalled - after
+            cut, why = self._cut(trying)
+            if trying is None or not (silent or cut):
                 continue
             began = time.monotonic()
-            self.declare(silent, f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut "
-                                 f"off from the coordination store")
-            log.debug("silence declared in %.3f s", time.monotonic() - began)
+            if silent:
+                self.declare(silent, f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut "
+                                     f"off from the coordination store")
+            else:  # alive, and cut off from their peers (reach.py)
+                self.declare(cut, why)
+            log.debug("verdict declared in %.3f s", time.monotonic() - began)
             return
+
+    def _cut(self, trying_s: float | None) -> tuple[list[int], str]:
+        """What the nodes found (:attr:`cut`), nothing where it cannot be read."""
+        try:
+            return self.cut(trying_s) if self.cut is not None else ([], "")
+        except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: the probe names it
+            log.debug("what the nodes found was not read: %s", first_line(e))
+            return [], ""
+
+
+def stall_after(slowest_step_s: float) -> float:
+    """How long a prober waits for its peers before it names one silent or cut off, and a
+    node's first worker before it tries the others (reach.py): ``STALL_S``, or ``STALL_STEPS``
+    of the slowest recent steps where steps are slow."""
+    return max(STALL_S, STALL_STEPS * slowest_step_s)
 
 
 def kill_stopped_siblings(agent: int, named: Callable[[], set[int]]) -> list[int]:

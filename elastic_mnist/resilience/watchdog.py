@@ -18,30 +18,29 @@ deadline:
   watchdog sees the same and leaves too.
 
 Two ranks read the heartbeats: the *probers*, the first rank and the last (every rank knows them
-from the world's size alone), on two nodes wherever the job has two, so that one node's fault
-never silences both. Every other
-rank, once its own deadline has passed, looks for their verdict every beat: two
-reads of every heartbeat by every rank were the job's quadratic traffic (at 8,000 ranks, more
-than the store answers in the watchdog's 2 s). A rank that finds the probers' own heartbeats
-standing still (both of them: one may be the hung rank, and the other then declares), or the
-store silent, reads the heartbeats itself, as a prober does.
+from the world's size alone), on two nodes wherever the job has two, so that one node's fault never
+silences both. Every other rank, once its own deadline has passed, looks for their verdict every
+beat: two reads of every heartbeat by every rank were the job's quadratic traffic (at 8,000 ranks,
+more than the store answers in the watchdog's 2 s). A rank that finds the probers' own heartbeats
+standing still (both of them: one may be the hung rank, and the other then declares), or the store
+silent, reads the heartbeats itself, as a prober does.
 
-Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl
-and kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM);
-each rank that finds the verdict kills those of its own node.
-Where the survivors can go on in process (membership.py), it hands them the hung ranks' names and
-they go on without them; otherwise it exits with EXIT_HUNG, the others follow as their
-collectives fail, and the agents restart the group from the last checkpoint. A verdict is first
-put to the writers' fence: a process the job no longer holds (a frozen rank woken after the
-survivors went on without it, whose peers' heartbeats stopped or whose store went) declares
-nothing, and leaves with the fence's line and status (EXIT_DROPPED). The first step
-(compiling, loading) and data preparation come before the watchdog is armed; a rank's own share
-of an evaluation, its checkpoint save and its logging are "busy", so that peers waiting for it in
-a collective wait on. A collective itself is never busy: a rank hung during an evaluation is found
-as during a step.
+Then the first rank to see it declares the hang in the store, writes ``hang`` into events.jsonl and
+kills hung workers of its own node (their agent would wait 30 s for them to obey SIGTERM); each
+rank that finds the verdict kills those of its own node. Where the survivors can go on in process
+(membership.py), it hands them the hung ranks' names and they go on without them; otherwise it
+exits with EXIT_HUNG, the others follow as their collectives fail, and the agents restart the group
+from the last checkpoint. A verdict is first put to the writers' fence: a process the job no longer
+holds (a frozen rank woken after the survivors went on without it, whose peers' heartbeats stopped
+or whose store went) declares nothing, and leaves with the fence's line and status (EXIT_DROPPED).
+The first step (compiling, loading) and data preparation come before the watchdog is armed; a
+rank's own share of an evaluation, its checkpoint save and its logging are "busy", so that peers
+waiting for it in a collective wait on. A collective itself is never busy: a rank hung during an
+evaluation is found as during a step.
 
-A peer whose process or links went silent is named sooner, by its pulse: the probers also watch
-the generation's pulses, and name one that stopped while they wait for it (silence.py).
+A peer whose process or links went silent is named sooner, by its pulse: the probers also watch the
+generation's pulses, and name one that stopped while they wait for it (silence.py); and a node cut
+off from its peers, by what the nodes found as they tried each other (reach.py).
 
 Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
 the backend: gloo blocks inside the collective, NCCL returns at once and blocks at the next host
@@ -73,8 +72,8 @@ from elastic_mnist.errors import EXIT_HUNG, CannotTell
 from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
 from elastic_mnist.resilience.heartbeat import Heartbeat, Verdict, training_thread_position
-from elastic_mnist.resilience.reach import NO_REACH, cut_off_ranks, reach_for
-from elastic_mnist.resilience.silence import SilenceWatch
+from elastic_mnist.resilience.reach import NO_REACH, Cuts, cut_off_ranks, reach_for
+from elastic_mnist.resilience.silence import SilenceWatch, stall_after
 
 log = logging.getLogger(__name__)
 
@@ -173,12 +172,14 @@ class Watchdog(NullWatchdog):
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._declaring = threading.Lock()  # two threads reach verdicts: the hang's, the silence's
+        on = go_on_without is not None  # the survivors go on in process
         self.silence = (SilenceWatch(env.rank, silent, self.stalled_s, self._declare_silent,
-                                     self._stop, lambda: max(self.recent, default=0.0))
-                        if silent is not None and go_on_without is not None and self.prober
-                        else None)
+                                     self._stop, lambda: max(self.recent, default=0.0), cut=Cuts(
+                                         store, self._call, env.world_size, lambda: self.step)
+                                     if backend else None)
+                        if silent is not None and on and self.prober else None)
         self.reach = (reach_for(env.rank, env.local_rank, backend, store, self._call)
-                      if backend and go_on_without is not None else NO_REACH)
+                      if backend and on else NO_REACH)
 
     # --- the training thread --------------------------------------------------------------------
 
@@ -227,9 +228,7 @@ class Watchdog(NullWatchdog):
         finally:
             self.waits -= 1
 
-    @property
-    def waiting_for_peers(self) -> bool:
-        return self.waits > 0
+    waiting_for_peers = property(lambda self: self.waits > 0)
 
     def stalled_s(self) -> float | None:
         """How long this rank has waited for its peers in its current wait; None while it does
@@ -283,7 +282,8 @@ class Watchdog(NullWatchdog):
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             self._publish()
-            self.reach.beat(self.stalled_s(), self.deadline_s())
+            self.reach.beat(self.stalled_s(), stall_after(max(self.recent, default=0.0)),
+                            self.step)
             if not self._probe_due():
                 continue
             if not self.prober:
