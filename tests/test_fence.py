@@ -104,3 +104,49 @@ def test_an_over_found_by_a_question_nobody_waited_for_is_acted_on(monkeypatch):
     with pytest.raises(FenceClosed):
         fence.check(recent=True)  # the late answer is not thrown away
     assert over == [dropped]
+
+
+def test_a_node_cut_off_from_store_and_peers_leaves_as_the_folder_says_not_with_a_hang(
+        monkeypatch, caplog):
+    """make partitions' cut-60, on the cut node: its watchdog's heartbeat write waits on the
+    silent store, and at the deadline its verdict ("the coordination store does not answer")
+    asks the fence itself, not behind that write. The folder's generation.json says the job went
+    on without it: it leaves with the fence's one line and EXIT_DROPPED, as its sibling's
+    recovery does, and declares no hang (124)."""
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.resilience import watchdog
+
+    class Silent:
+        def __init__(self):
+            self.answer = threading.Event()
+
+        def set_timeout(self, timeout):
+            pass
+
+        def set(self, key, value):
+            self.answer.wait()
+
+        def compare_set(self, key, expected, desired):
+            self.answer.wait()
+
+    exited: list[int] = []
+    monkeypatch.setattr(watchdog, "end_process", exited.append)
+    monkeypatch.setattr(watchdog, "STORE_TIMEOUT", watchdog.timedelta(seconds=0.1))
+    store, reason, left = Silent(), SilentStore(), []
+    over = Over("rank 5 was dropped from the job at generation 0 (generation.json says the job "
+                "is at 1; the coordination store does not answer): leaving without writing",
+                EXIT_DROPPED)
+    fence = Fence(reason, fallback=lambda: over, ask_s=0.2, on_over=left.append)
+    dog = watchdog.Watchdog(DistEnv(rank=5, world_size=6, launched=True), store, floor_s=0.1,
+                            report=lambda record: None, go_on_without=lambda ranks, why: None,
+                            store_host=None, fence=fence)
+    try:
+        dog._publish()  # the heartbeat's write: held by the silent store
+        assert dog._pending is not None and not dog._pending.done()
+        dog._declare(watchdog.Verdict([], [], "the coordination store does not answer", {}))
+        assert left == [over] and exited == []
+        assert not [r for r in caplog.records if r.getMessage().startswith("hang: ")]
+    finally:
+        store.answer.set()
+        reason.answer.set()
+        dog.close()

@@ -419,12 +419,12 @@ class Watchdog(NullWatchdog):
                        "every rank alive and waiting in a collective", second)
 
     def _fenced(self) -> bool:
-        """Asks the fence (bounded, as a store call): a process the job no longer holds leaves
-        there, with the fence's one line and status, instead of declaring a hang in a group
-        that went on without it. False while the fence holds, or cannot tell in time."""
+        """Asks the fence (bounded by itself, then generation.json decides; never behind a call
+        a silent store holds): a process the job no longer holds leaves there, with the fence's
+        line and status, instead of declaring a hang. False while it holds, or cannot tell."""
         try:
-            self._call(self.fence.check, False, True)
-        except (StoreSilent, CannotTell):
+            self.fence.check(False, True)
+        except CannotTell:
             return False
         except FenceClosed:  # the fence's ``on_over`` returned (tests): nothing more is said
             return True
