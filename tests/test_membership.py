@@ -493,6 +493,51 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     assert len(lines) == 1
 
 
+def test_a_declaration_the_store_does_not_answer_ends_at_the_changes_bound(members, monkeypatch,
+                                                                          caplog):
+    """The watchdog's verdict on a hung peer, while the coordination store does not answer: the
+    declaration waits for it (TCP's own give-up is about 15 minutes away), and the training
+    thread, in the hung collective, is never woken to recover. The change's bound runs from the
+    declaration: at it, this rank falls back in one line (EXIT_GAVE_UP), and nothing holds it
+    longer. A membership closed at the job's end has no bound left to end it."""
+    from elastic_mnist.resilience import recovery
+
+    left: list[int] = []
+    monkeypatch.setattr(recovery, "end_process", left.append)
+    mine = members(0)
+    mine.bound_s = 0.5
+    silent = threading.Event()
+
+
+    class Silent:  # every call waits, as on a connection the store does not answer
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: silent.wait(30) and None
+
+        def compare_set(self, key, expected, desired):
+            silent.wait(30)
+            return desired.encode()
+
+    monkeypatch.setattr(mine, "connections", dataclasses.replace(mine.connections,
+                                                                 declare=Silent()))
+    monkeypatch.setattr(mine, "dropped", lambda: None)  # the fence's question: nothing to say
+    declaring = threading.Thread(target=mine.declare, args=("hung", [1]), daemon=True)
+    declaring.start()
+    try:
+        deadline = time.monotonic() + 5
+        while not left and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert left == [EXIT_GAVE_UP] and declaring.is_alive()
+        assert [r.getMessage().split(":")[0] for r in caplog.records if r.levelname == "ERROR"
+                ] == ["recovery in process failed while detecting the fault"]
+    finally:
+        silent.set()
+        declaring.join(5)
+    other = members(1)
+    other.recovery.arm_deadline()
+    other.close()
+    assert other.recovery._deadline is None
+
+
 def test_a_rank_woken_at_its_bound_after_the_others_went_on_is_dropped(store, members,
                                                                        monkeypatch, caplog):
     """A rank frozen in a recovery, woken after its bound: its give-up finds that the job went on
@@ -1586,7 +1631,7 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
         return clone()
 
     monkeypatch.setattr(spares, "_store", types.SimpleNamespace(clone=slow_clone))
-    mine.recovery._arm_deadline()
+    mine.recovery.arm_deadline()
     deadline = mine.recovery._deadline
     done = threading.Thread(target=mine.recovered)
     done.start()

@@ -257,8 +257,9 @@ class Membership(NullMembership):
         self.abort(fault, generation)  # nothing if the generation is over meanwhile
 
     def close(self) -> None:
-        """Stops watching (the job has ended)."""
+        """Stops watching (the job has ended): no change's bound ends the process now."""
         self._closed = True
+        self.recovery.disarm()
         if self.admissions is not None:
             self.admissions.close()
         with contextlib.suppress(RuntimeError):
@@ -356,12 +357,12 @@ class Membership(NullMembership):
                 return None
             known = self.faulted  # read once: the wake-up thread may set it meanwhile
             if known is not None and env.rank not in watchers(range(env.world_size)):
-                # Woken by the generation's one fault (or declared already): it knows that
-                # fault, and that the first declarer woke every rank. Nothing more to say: a
-                # compare_set by every rank was W operations in the fault's busiest second.
+                # Woken by the generation's one fault (or declared already), which woke every
+                # rank: nothing to say (a compare_set by every rank was W operations at once).
                 return known
-            # One that found the fault itself, or a watcher, makes sure that every rank was
-            # woken (declare_fault).
+            self.recovery.arm_deadline()  # the change's bound runs from here: a store away holds
+            # it no longer. One that found the fault itself, or a watcher, makes sure that every
+            # rank was woken (declare_fault).
             fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
             agreed = declare_fault(store, self.key("", current), env.world_size,
                                    json.dumps(asdict(fault)))

@@ -111,7 +111,7 @@ class Recovery:
         """
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
-        self._arm_deadline()
+        self.arm_deadline()
         self.phase = "agreeing on who is left"
         try:
             fault = m.declare(why, list(suspects), detail)
@@ -197,7 +197,7 @@ class Recovery:
         new generation (PeerFailure: the survivors recover from it)."""
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
-        self._arm_deadline()
+        self.arm_deadline()
         self.change, self._origin, self._survey = None, [], None
         self.phase = "admitting the joining nodes"
         change, identities = self._grown(decision, m.generation + 1, position.step,
@@ -215,7 +215,7 @@ class Recovery:
         ``decision``: it takes its place there, and builds the new group with the job's ranks
         (see :meth:`grow`)."""
         detected, detected_at = time.monotonic(), time.time()
-        self._arm_deadline()
+        self.arm_deadline()
         self.phase = "entering the job"
         change, identities = self._grown(decision, admission["generation"], admission["step"],
                                          admission["evaluated_step"], detected, detected_at)
@@ -277,7 +277,7 @@ class Recovery:
             if over is None:
                 return None
             line = over.line
-        self._disarm()
+        self.disarm()
         return Dropped(line)
 
     def _surveyed(self, members: list[int], identities: Mapping[int, Identity]
@@ -420,20 +420,24 @@ class Recovery:
 
     # --- the bound, and the end of a change -------------------------------------------------------
 
-    def _arm_deadline(self) -> None:
+    def arm_deadline(self) -> None:
+        """Starts the change's bound, where it has not started: as a fault is declared (by any
+        thread: the watchdog's declaration waits for a store that may be away), or as this
+        rank recovers or grows."""
         if self._deadline is None:
             self._deadline = threading.Timer(self.member.bound_s, self._give_up)
             self._deadline.daemon = True
             self._deadline.start()
 
-    def _disarm(self) -> None:
+    def disarm(self) -> None:
+        """Stops the change's bound: the change is over, or the job (its membership closed)."""
         if self._deadline is not None:
             self._deadline.cancel()
             self._deadline = None
 
     def recovered(self) -> None:
         """The first step after a change completed: the bound is off, the change over."""
-        self._disarm()
+        self.disarm()
         self.change = None
         self.phase, self.failure = "detecting the fault", ""
         spares = self.member.connections.group

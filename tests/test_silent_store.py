@@ -1,0 +1,211 @@
+"""Every kind of connection the job makes to the coordination store, cut silently, and the bound
+of each wait on it (issue 42, item 5; docs/recovery.md, "Every wait, and its bound").
+
+A link cut silently (no FIN, no RST) leaves a connection open and its calls unanswered. Here the
+cut is a relay between the store and its clients that stops relaying (:class:`SilentRelay`): it
+holds every byte, both ways, and closes nothing, so that a client's call waits for an answer that
+never comes, as across a cut link. A real cut between hosts of their own is ``make
+partitions``' (control-30, store-30). In seconds: each bound is set small.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import socket
+import threading
+import time
+
+import pytest
+import torch
+from torch.distributed import PrefixStore, TCPStore
+
+from elastic_mnist.env import DistEnv
+from elastic_mnist.errors import EXIT_GAVE_UP
+from elastic_mnist.resilience import recovery, watchdog
+from elastic_mnist.resilience.fence import Fence
+from elastic_mnist.resilience.membership import Membership
+from elastic_mnist.resilience.board import NodeBoard
+from elastic_mnist.resilience.speaker import Speaker
+
+
+class SilentRelay:
+    """A TCP relay in front of a store's port: it relays until :meth:`cut`, then holds every
+    byte both ways and closes nothing, until :meth:`heal`."""
+
+    def __init__(self, port: int):
+        self.target = port
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.open = threading.Event()
+        self.open.set()
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.target))
+            self.sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                self.open.wait()  # cut: held here, unanswered, nothing closed
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+
+    def cut(self) -> None:
+        self.open.clear()
+
+    def heal(self) -> None:
+        self.open.set()
+
+    def close(self) -> None:
+        self.heal()
+        self.server.close()
+        for s in self.sockets:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+@pytest.fixture
+def relay():
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                      timeout=datetime.timedelta(seconds=30))
+    relay = SilentRelay(server.port)
+    yield relay
+    relay.close()
+
+
+def client(relay: SilentRelay, timeout_s: float = 30.0) -> TCPStore:
+    return TCPStore("127.0.0.1", relay.port, is_master=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def waited(call, bound_s: float) -> tuple[float, object]:
+    """How long ``call()`` took (in a thread), and what it returned or raised; None for the
+    time where it had not returned within ``bound_s`` (it is left to its thread)."""
+    out: list[object] = []
+
+    def run():
+        try:
+            out.append(call())
+        except Exception as e:  # noqa: BLE001 - returned, for the test to look at
+            out.append(e)
+
+    began = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    return (None if thread.is_alive() else time.monotonic() - began), (out[0] if out else None)
+
+
+def test_torchs_own_store_calls_wait_past_their_timeout_on_a_silent_connection(relay):
+    """The fact that every bound below answers (torch 2.14.1): a ``get`` on a connection whose
+    store went silent waits past the store's timeout, for as long as TCP keeps the connection
+    (about 15 minutes); it completes once the store is heard again."""
+    store = client(relay, timeout_s=0.3)
+    store.set("k", "v")
+    relay.cut()
+    took, _ = waited(lambda: store.get("k"), 1.2)
+    assert took is None  # still waiting, four times its timeout later
+    relay.heal()
+    took, value = waited(lambda: store.get("k"), 5)
+    assert value == b"v"
+
+
+def test_the_fence_waits_ask_s_and_a_steps_check_not_at_all(relay, tmp_path):
+    """The writers' fence (fence.py): a commit's check waits ``ask_s`` for its question, then
+    the folder decides; a step's check waits for no question in flight."""
+    store = client(relay)
+    store.set("generation", "0")
+    fence = Fence(lambda: None if store.get("generation") == b"0" else None,
+                  fallback=lambda: None, ask_s=0.3)
+    fence.check()
+    relay.cut()
+    took, _ = waited(fence.check, 2)
+    assert took is not None and 0.3 <= took < 0.8
+    took, _ = waited(lambda: fence.check(recent=True), 2)
+    assert took is not None and took < 0.1
+
+
+def test_the_watchdogs_calls_wait_store_timeout(relay, monkeypatch):
+    """The watchdog (watchdog.py): each call waits ``STORE_TIMEOUT`` (2 s; 0.3 here), and a
+    call while one is still held fails at once."""
+    monkeypatch.setattr(watchdog, "STORE_TIMEOUT", datetime.timedelta(seconds=0.3))
+    store = PrefixStore("g0", client(relay))
+    dog = watchdog.Watchdog(DistEnv(rank=0, world_size=2, launched=True), store, floor_s=1.0,
+                            report=lambda record: None)
+    try:
+        relay.cut()
+        took, error = waited(lambda: dog._call(store.get, "x"), 2)
+        assert took is not None and 0.3 <= took < 0.8 and isinstance(error, watchdog.StoreSilent)
+        took, error = waited(lambda: dog._call(store.get, "x"), 2)
+        assert took is not None and took < 0.1 and isinstance(error, watchdog.StoreSilent)
+    finally:
+        relay.heal()
+        dog.close(wait=False)
+
+
+def test_the_nodes_record_never_holds_the_pulse(relay):
+    """The node's pulse record (speaker.py): the pulse hands it over and goes on, whatever the
+    store; the record arrives once the store is heard again."""
+    store, reader = client(relay), client(relay)
+    speaker = Speaker(store, "node/a", fresh=lambda: client(relay))
+    try:
+        relay.cut()
+        for n in range(5):
+            took, _ = waited(lambda n=n: speaker.say(f"{n}"), 1)
+            assert took is not None and took < 0.05
+        relay.heal()
+        deadline = time.monotonic() + 10
+        while not (reader.check(["node/a"]) and reader.get("node/a") == b"4"):
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        speaker.close()
+
+
+def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypatch, caplog):
+    """A fault declared while the store is silent (membership.py, recovery.py): the declaration
+    waits, and the change's bound, which runs from it, ends the process in one line
+    (EXIT_GAVE_UP) where nothing says the job went on without it."""
+    left: list[int] = []
+    monkeypatch.setattr(recovery, "end_process", left.append)
+    monkeypatch.setattr(recovery, "DROPPED_QUESTION_S", 0.2)
+    env = DistEnv(rank=0, world_size=2, launched=True)
+    member = Membership(env, torch.device("cpu"), PrefixStore("launch", client(relay)),
+                        generation=0, pg_timeout_s=10, bound_s=0.5,
+                        board=NodeBoard(tmp_path / "board", "board", 1, 0))
+    try:
+        relay.cut()
+        took, _ = waited(lambda: member.declare("hung", [1]), 0.2)
+        assert took is None  # held by the store
+        deadline = time.monotonic() + 3
+        while not left:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert left == [EXIT_GAVE_UP]
+        assert [r.getMessage().split(":")[0] for r in caplog.records if r.levelname == "ERROR"
+                ] == ["recovery in process failed while detecting the fault"]
+    finally:
+        relay.heal()
+        member.close()
+
+
+def test_every_connection_is_listed_with_its_bound():
+    """The table in docs/recovery.md names each kind of connection this module cuts."""
+    from pathlib import Path
+
+    text = (Path(__file__).parent.parent / "docs" / "recovery.md").read_text()
+    section = text.split("## Every wait, and its bound", 1)[1].split("\n## ", 1)[0]
+    for kind in ("the writers' fence", "the watchdog", "the node's pulse record",
+                 "a fault's declaration", "the recovery"):
+        assert kind in section, kind
