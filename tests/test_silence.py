@@ -205,6 +205,18 @@ def test_a_node_cut_off_from_its_peers_is_named_once_the_nodes_have_tried():
         w.stop.set()
 
 
+def test_a_prober_on_the_node_cut_off_leaves_the_verdict_to_the_other():
+    w = Watch(rank=5)
+    w.watch.cut = lambda trying_s: ([4, 5], "cut off") if trying_s is not None else ([], "")
+    w.stalled = silence.STALL_S + 1
+    w.watch.start()
+    try:
+        wait_for(lambda: w.looks >= 5)
+        assert w.declared == []
+    finally:
+        w.stop.set()
+
+
 def test_a_join_that_stops_being_ready_waits_anew():
     from elastic_mnist.resilience.flapping import Flapping
 

@@ -52,6 +52,8 @@ ASK_S = 1.0
 """How long a check waits for its reasons' answer before the ``fallback`` decides: a store
 answers in milliseconds, and a commit that waits holds the step (a store outage cost the job 2.3 s
 at 2 s here, ``make partitions``)."""
+FALLBACK_S = 1.0
+"""How long the ``fallback`` (the checkpoint folder's generation.json) may take to answer."""
 RECENT_WAIT_S = 0.05
 """How long a check that may reuse a verdict (every step's) waits for a fresh question's answer:
 a store answers in a millisecond, and where each process paid up to ``ASK_S`` once as an outage
@@ -167,14 +169,28 @@ class Fence(NullFence):
         return None, unsure
 
     def _without_store(self) -> tuple[Over | None, CannotTell | None]:
-        """The fallback's verdict, where the reasons did not answer in time."""
+        """The fallback's verdict, where the reasons did not answer in time: bounded too (the
+        checkpoint folder may be a mount that the cut took with the store, whose read waits
+        for the heal), in a daemon thread of its own, ``FALLBACK_S``."""
         why = CannotTell(f"the job's store did not answer the fence within {self.ask_s:g} s")
         if self.fallback is None:
             return None, why
+        answer: concurrent.futures.Future = concurrent.futures.Future()
+
+        def ask(fallback: Reason = self.fallback) -> None:
+            try:
+                answer.set_result(fallback())
+            except Exception as e:  # noqa: BLE001 - CannotTell, or the folder's error: handed on
+                answer.set_exception(e)
+
+        threading.Thread(target=ask, daemon=True, name="fence-fallback").start()
         try:
-            return self.fallback(), None
+            return answer.result(FALLBACK_S), None
         except CannotTell as e:
             return None, e
+        except concurrent.futures.TimeoutError:
+            return None, CannotTell(f"{why}, and the checkpoint folder not within "
+                                    f"{FALLBACK_S:g} s")
 
 
 class FenceClosed(Exception):

@@ -9,19 +9,22 @@ Each node's first worker listens on the address its collectives use (``GLOO_SOCK
 interface, else its host name's, as gloo picks it; ``NCCL_SOCKET_IFNAME`` under NCCL), and says
 where in the generation's store. Once its step has waited as long as a silent peer takes to be
 named (``silence.stall_after``: 1 s, or two of the slowest recent steps), it tries to connect to
-every other node's listener, from that address, every beat, and says in the store which nodes it
-could not reach within ``CONNECT_S`` (``FOUND``). The probers, which look at the pulses ten times
-a second while they wait, look there too (:class:`Cuts`): as soon as every node has said what it
-found in this wait, the nodes to drop are the fewest whose loss leaves every pair of the rest in
-reach of each other (:func:`cut_off`), and the others go on without them in process, a few
-seconds after the cut instead of at the hang verdict. The heartbeats carry the same findings, for
-that verdict. One node per node tries, one connection per other node: at 1,000 nodes, a thousand
-connections a node, once a beat, only while the job is stuck.
+every other node's listener, from that address, once a wait (again after ``TRY_AGAIN_S``), sending
+each try again every ``RESEND_S`` (one lost SYN is no cut), and says in the store which nodes it
+could not reach within ``CONNECT_S`` (``FOUND``); when the wait ends, it takes that back. The
+probers, which look at the pulses ten times a second while they wait, look there too
+(:class:`Cuts`): as soon as every node has said what it found in this wait, the nodes to drop are
+the fewest whose loss leaves every pair of the rest in reach of each other (:func:`cut_off`; a pair
+counts only where both of its nodes said, since one side alone cannot tell which side is cut off),
+and the others go on without them in process, a few seconds after the cut instead of at the hang
+verdict. The heartbeats carry the same findings, for that verdict. One node per node tries, one
+connection per other node: at 1,000 nodes, a thousand connections a node, once a wait that lasts a
+second or more.
 
 A cut can also strike first inside a node (one way of its link dropped: its own collective fails
 at once, naming no peer), and then every rank checks in, the cut one too, since it reaches the
 store: the new group, built across the cut, could never be complete (59 s, and a restart). So as
-a change begins, each node's first worker tries the others once more (:func:`survey`; its
+each round of a change begins, each node's first worker tries the others again (:func:`survey`; its
 listener outlives the generations), and where the new group is still not built when the tries
 are done, the change's watchers drop the nodes cut off (:class:`Survey`), in a round of the
 same change.
@@ -29,7 +32,6 @@ same change.
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import functools
 import json
@@ -37,6 +39,7 @@ import logging
 import os
 import selectors
 import socket
+import struct
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,14 +52,23 @@ from elastic_mnist.addresses import (
     ifname_is_set,
     interface_address,
 )
+from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.heartbeat import Heartbeat
 
 log = logging.getLogger(__name__)
 
-CONNECT_S = 2.5
-"""How long a connection to a peer's listener may take: a reachable node's takes milliseconds
-on any cluster network, and TCP retries a lost SYN after a second (and again after three): one
-lost SYN is no cut."""
+CONNECT_S = 1.0
+"""How long a node may take to answer a try: a reachable node's connection takes milliseconds
+on any cluster network; a node that has not answered a try every ``RESEND_S`` for this long is
+cut off."""
+TRY_AGAIN_S = 5.0
+"""How long a wait goes on before a node tries again: once a wait, not every look, where the
+wait is a peer's long save or evaluation (a thousand connections a node at 1,000 nodes)."""
+LOOK_S = 0.1
+"""How often a node's first worker looks whether its step has waited long enough for a try."""
+RESEND_S = 0.25
+"""How often a try is sent again beside the earlier ones: TCP itself would send a lost SYN again
+only after a second (and again after three), and one lost SYN is no cut."""
 
 
 def data_address(backend: str, environ: Mapping[str, str] = os.environ) -> str | None:
@@ -88,63 +100,90 @@ class Listener:
         host, port = self._socket.getsockname()[:2]
         self.address = f"{host}:{port}"
         self.host = address
+        self._closed = False
         self._thread = threading.Thread(target=self._serve, daemon=True, name="reach-listener")
         self._thread.start()
 
     def _serve(self) -> None:
-        while True:
+        """Accepts for as long as the process lives: an error of one connection (aborted, no
+        buffers, no file descriptors for a moment) is no reason to stop answering the others."""
+        while not self._closed:
             try:
                 connection, _ = self._socket.accept()
-            except OSError:  # closed
-                return
+            except OSError as e:
+                if not self._closed:
+                    log.debug("the listener's accept failed (%s): accepting on", e)
+                    time.sleep(0.01)
+                continue
             connection.close()
 
     def close(self) -> None:
+        self._closed = True
         with contextlib.suppress(OSError):
             self._socket.shutdown(socket.SHUT_RDWR)
         self._socket.close()
 
 
-def unreachable(source: str, targets: Mapping[int, str], timeout_s: float = CONNECT_S
-                ) -> set[int]:
+def unreachable(source: str, targets: Mapping[int, str], timeout_s: float = CONNECT_S,
+                resend_s: float = RESEND_S) -> set[int]:
     """The ``targets`` (node → ``"host:port"``) that a connection from ``source`` does not
-    reach within ``timeout_s``: all at once, each with its own socket (a refused or reset
-    connection is as unreachable as a silent one)."""
-    pending: dict[socket.socket, int] = {}
-    failed: set[int] = set()
-    with selectors.DefaultSelector() as selector:
-        for node, address in targets.items():
-            host, _, port = address.rpartition(":")
-            s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-            s.setblocking(False)
-            try:
-                s.bind((source, 0))
-                s.connect_ex((host, int(port)))
-            except (OSError, ValueError):  # no such address: not reached
-                s.close()
-                failed.add(node)
-                continue
-            pending[s] = node
-            selector.register(s, selectors.EVENT_WRITE)
-        deadline = time.monotonic() + timeout_s
-        while pending and (left := deadline - time.monotonic()) > 0:
-            for key, _ in selector.select(left):
-                s = key.fileobj
-                node = pending.pop(s)
-                selector.unregister(s)
-                if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                    failed.add(node)
-                s.close()
-        for key, _ in selector.select(0):  # done as the time ran out: looked at once more
+    reach within ``timeout_s``: all at once, a silent one tried again beside its earlier tries,
+    on a new socket, every ``resend_s`` until one connects; a refused or reset try, or no such
+    address, is as unreachable as a silent one, at once. A node this host could not even try
+    (no socket, no port to bind here) is not named: that is no finding about the network. Each
+    try is closed with a reset, which leaves no port of this host waiting (TIME_WAIT)."""
+    reached: set[int] = set()
+    bad: set[int] = set()  # refused, reset, or no such address
+    untried: set[int] = set()
+    tries: dict[socket.socket, int] = {}
+
+    def close(s: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        s.close()
+
+    def looked(selector: selectors.BaseSelector, timeout: float) -> None:
+        for key, _ in selector.select(timeout):
             s = key.fileobj
-            node = pending.pop(s)
-            if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR):
-                failed.add(node)
-            s.close()
-        for s, node in pending.items():
-            failed.add(node)
-            s.close()
-    return failed
+            node = tries.pop(s)
+            selector.unregister(s)
+            (bad if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) else reached).add(node)
+            close(s)
+
+    with selectors.DefaultSelector() as selector:
+        deadline = time.monotonic() + timeout_s
+        resend = time.monotonic()
+        while (waiting := set(targets) - reached - bad - untried) and \
+                (now := time.monotonic()) < deadline:
+            if now >= resend:
+                for node in waiting:
+                    host, _, port = targets[node].rpartition(":")
+                    try:
+                        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+                    except OSError:
+                        untried.add(node)
+                        continue
+                    s.setblocking(False)
+                    try:
+                        s.bind((source, 0))
+                    except OSError:  # this host's own trouble (no port): no finding
+                        close(s)
+                        untried.add(node)
+                        continue
+                    try:
+                        s.connect_ex((host, int(port)))
+                    except (OSError, ValueError):  # no such address
+                        close(s)
+                        bad.add(node)
+                        continue
+                    tries[s] = node
+                    selector.register(s, selectors.EVENT_WRITE)
+                resend = now + resend_s
+            looked(selector, max(0.0, min(resend, deadline) - time.monotonic()))
+        looked(selector, 0)  # done as the time ran out: looked at once more
+        for s in tries:
+            close(s)
+    return set(targets) - reached - (untried - bad)
 
 
 def cut_off(unreachable_from: Mapping[int, set[int]], nodes: set[int]) -> list[int]:
@@ -173,16 +212,23 @@ NODES = "elastic_mnist/reach/nodes"
 n-th: ``"<node> <host:port>"``."""
 
 
-@functools.lru_cache(maxsize=8)
+_LISTENERS: dict[str, Listener] = {}
+_LISTENING = threading.Lock()
+
+
 def _listener_on(address: str) -> Listener | None:
     """This process's listener on ``address``: opened once, it outlives the generations (a
-    change's survey tries the nodes whose watchdogs are gone with their generation)."""
-    try:
-        return Listener(address)
-    except OSError as e:
-        log.warning("no listener on %s for the other nodes to try (%s): a node cut off from "
-                    "its peers is not named", address, e)
-        return None
+    change's survey tries the nodes whose watchdogs are gone with their generation); one that
+    could not be opened is tried again at the next generation."""
+    with _LISTENING:
+        if address not in _LISTENERS:
+            try:
+                _LISTENERS[address] = Listener(address)
+            except OSError as e:
+                log.warning("no listener on %s for the other nodes to try (%s): a node cut off "
+                            "from its peers is not named", address, e)
+                return None
+        return _LISTENERS[address]
 
 
 def node_listener(local_rank: int, backend: str) -> Listener | None:
@@ -207,22 +253,56 @@ class ReachWatch:
         self._trying: threading.Thread | None = None
         self._said: dict[str, Any] | None = None
         """What this node last said it found, in the store."""
+        self._tried_at: float | None = None
+        """When this node last tried, in the step's current wait."""
 
     def announce(self) -> None:
         """Says where this node listens, for the generation."""
         n = self.call(self.store.add, NODES, 1)
         self.call(self.store.set, f"{NODES}/{n - 1}", f"{self.node} {self.listener.address}")
 
+    def watch(self, stalled_s: Callable[[], float | None], after_s: Callable[[], float],
+              step: Callable[[], int], stop: threading.Event) -> None:
+        """Looks every ``LOOK_S``, in a thread of its own, until ``stop``: :meth:`beat` with
+        how long the step has waited (``stalled_s()``), the wait that calls for a try
+        (``after_s()``) and the last step done (``step()``)."""
+
+        def run() -> None:
+            while not stop.wait(LOOK_S):
+                self.beat(stalled_s(), after_s(), step())
+
+        threading.Thread(target=run, daemon=True, name="reach-watch").start()
+
     def beat(self, stalled_s: float | None, after_s: float, step: int = 0) -> None:
-        """Once a beat: once the step (``step``, the last one done) has waited ``after_s``, a
-        try in the background (one at a time), whose finding is said in the store for the
-        probers (:class:`Cuts`); before that, nothing found."""
+        """Once the step (``step``, the last one done) has waited ``after_s``, a try in the
+        background (one at a time), whose finding is said in the store for the probers
+        (:class:`Cuts`); before that, nothing found."""
         if stalled_s is None or stalled_s < after_s:
-            self.found = []
-        elif self._trying is None or not self._trying.is_alive():
-            self._trying = threading.Thread(target=self._try, args=(step,), daemon=True,
-                                            name="reach-try")
-            self._trying.start()
+            self.found, self._tried_at = [], None
+            if self._said is not None and self._said["found"]:  # the wait is over: a cut
+                self._say(step, [])  # found in it holds no more, in this step's next wait too
+            return
+        if self._trying is not None and self._trying.is_alive():
+            return
+        if self._tried_at is not None and time.monotonic() - self._tried_at < TRY_AGAIN_S:
+            return
+        self._tried_at = time.monotonic()
+        self._trying = threading.Thread(target=self._try, args=(step,), daemon=True,
+                                        name="reach-try")
+        self._trying.start()
+
+    def _say(self, step: int, found: list[int]) -> None:
+        """Says in the store what this node found while the step after ``step`` waited."""
+        said = {"step": step, "found": found}
+        if said == self._said:
+            return
+        try:
+            self.call(self.store.set, f"{FOUND}/{self.node}", json.dumps(said))
+            if found:
+                self.call(self.store.add, CUTS, 1)
+            self._said = said
+        except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: said next time
+            log.debug("what this node found was not said: %s", e)
 
     def _try(self, step: int) -> None:
         try:
@@ -231,12 +311,7 @@ class ReachWatch:
                                  in announced(self.store, "", self.call).items()
                                  if node != self.node}
             self.found = sorted(unreachable(self.listener.host, self._targets))
-            said = {"step": step, "found": self.found}
-            if said != self._said:
-                self.call(self.store.set, f"{FOUND}/{self.node}", json.dumps(said))
-                if self.found:
-                    self.call(self.store.add, CUTS, 1)
-                self._said = said
+            self._say(step, self.found)
         except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: nothing found
             log.debug("no try to reach the other nodes: %s", e)
 
@@ -253,7 +328,8 @@ class NoReach:
     def announce(self) -> None:
         pass
 
-    def beat(self, stalled_s: float | None, after_s: float, step: int = 0) -> None:
+    def watch(self, stalled_s: Callable[[], float | None], after_s: Callable[[], float],
+              step: Callable[[], int], stop: threading.Event) -> None:
         pass
 
     def close(self) -> None:
@@ -308,19 +384,25 @@ def announced(store: Any, prefix: str, call: Callable[..., Any] = lambda f, *a: 
     → ``"host:port"``)."""
     count = int(call(store.add, f"{prefix}{NODES}", 0))
     keys = [f"{prefix}{NODES}/{n}" for n in range(count)]
-    lines = (v.decode().split(" ", 1) for v in (call(store.multi_get, keys) if keys else []))
+    # Present only: an entry may never be written (its node lost between its count and its
+    # address), and a multi_get waits for a missing key.
+    lines = (v.decode().split(" ", 1) for v in read_present(store, keys, call).values())
     return {int(node): where for node, where in lines}
 
 
-def survey(store: Any, prefix: str, node: int, listener: Listener) -> threading.Thread:
-    """As a change of the generation of ``prefix`` begins: this node (its first rank, ``node``)
-    tries every other node that said where it listens in that generation, in a thread, and says
-    in ``store`` which it could not reach (nothing where the store does not answer)."""
+def survey(connect: Callable[[], Any], announced_in: str, prefix: str, node: int,
+           listener: Listener) -> threading.Thread:
+    """As a round of a change begins in the generation of ``prefix``: this node (``node``: its
+    first rank where the change began) tries every other node that said where it listens in the
+    generation the change began in (``announced_in``), in a thread, and says in the store which
+    it could not reach. On a connection of its own (``connect()``): a store that does not answer
+    holds nothing else, and nothing is said."""
 
     def look() -> None:
         try:
-            targets = {other: where for other, where in announced(store, prefix).items()
-                       if other != node}
+            store = connect()
+            targets = {other: where for other, where in announced(store, announced_in).items()
+                       if where != listener.address}
             store.set(f"{prefix}{FOUND}/{node}", json.dumps(
                 {"step": None, "found": sorted(unreachable(listener.host, targets))}))
         except Exception as e:  # noqa: BLE001 - a store error: nothing said
@@ -341,7 +423,7 @@ class Survey:
                  what: str = "the new group cannot be built across a cut on the data network"):
         """``prefix``: the surveyed generation's, in ``store``; ``nodes``: each rank of the
         group → its node there (its first rank); ``step``: what was found while the step after
-        it waited, only (None: whatever was found last); ``call``: makes each store operation
+        it waited, only (None: what a change's survey found); ``call``: makes each store operation
         (the watchdog's, bounded); ``not_before_s``: how long the group waits before anything
         found counts; ``patience_s``: how long after that for every node's word; ``what``: the
         verdict, in words."""
@@ -358,15 +440,18 @@ class Survey:
         if waited_s < self.not_before_s:
             return [], ""
         nodes = set(self.nodes.values())
-        for node in sorted(nodes - self.found.keys()):
-            key = f"{self.prefix}{FOUND}/{node}"
-            if self.call(self.store.check, [key]):
-                said = json.loads(self.call(self.store.get, key))
-                if self.step is None or said["step"] == self.step:
-                    self.found[node] = set(said["found"])
+        keys = {f"{self.prefix}{FOUND}/{node}": node for node in nodes}
+        self.found = {}  # read anew at each look: a node that found a cut may find it healed
+        for key, value in read_present(self.store, list(keys), self.call).items():
+            said = json.loads(value)
+            if said["step"] == self.step:
+                self.found[keys[key]] = set(said["found"])
         if nodes - self.found.keys() and waited_s < self.not_before_s + self.patience_s:
             return [], ""
-        dropped = cut_off(self.found, nodes)
+        # A pair is cut only where both of its nodes said what they found (a handshake fails
+        # both ways in any cut): one node's word alone drops nobody, not even itself.
+        heard = set(self.found)
+        dropped = cut_off({a: b & heard for a, b in self.found.items()}, nodes & heard)
         if not dropped:
             return [], ""
         return (sorted(r for r, node in self.nodes.items() if node in dropped),
@@ -379,16 +464,16 @@ class Cuts:
     said what it found in this wait (or ``PATIENCE_S`` after the tries began), instead of at
     the hang verdict. One read a look while no node found a cut in the generation."""
 
-    PATIENCE_S = CONNECT_S + 1.5
-    """A try takes ``CONNECT_S`` at most, and each node begins at its own watchdog's beat (a
-    second apart at most)."""
+    PATIENCE_S = CONNECT_S + 1.0
+    """A try takes ``CONNECT_S`` at most, and each node begins when its own wait is long enough
+    (its own slowest steps), looked at every ``LOOK_S``."""
 
-    def __init__(self, store: Any, call: Callable[..., Any], world_size: int,
-                 step: Callable[[], int]):
+    def __init__(self, store: Any, call: Callable[..., Any],
+                 nodes: Callable[[], Mapping[int, int]], step: Callable[[], int]):
         """``store``: the generation's, on which ``call`` (the watchdog's bounded call) makes
-        each operation; ``step()``: the last step this rank completed."""
-        self.store, self.call, self.world_size, self.step = store, call, world_size, step
-        self._nodes: dict[int, int] | None = None
+        each operation; ``nodes()``: each rank's node, as its heartbeat said it; ``step()``: the
+        last step this rank completed."""
+        self.store, self.call, self.nodes, self.step = store, call, nodes, step
         self._survey: Survey | None = None
 
     def __call__(self, trying_s: float | None) -> tuple[list[int], str]:
@@ -401,11 +486,7 @@ class Cuts:
             return [], ""
         step = self.step()
         if self._survey is None or self._survey.step != step:
-            if self._nodes is None:  # ranks are numbered node by node, from each node's first
-                firsts = sorted(announced(self.store, "", self.call))
-                self._nodes = {r: firsts[max(0, bisect.bisect_right(firsts, r) - 1)]
-                               for r in range(self.world_size)} if firsts else {}
-            self._survey = Survey(self.store, "", self._nodes, step, self.call, not_before_s=0.0,
+            self._survey = Survey(self.store, "", self.nodes(), step, self.call, not_before_s=0.0,
                                   patience_s=self.PATIENCE_S,
                                   what="cut off from its peers on the data network")
         return self._survey.cut(trying_s)

@@ -2,28 +2,30 @@
 build their new group, round after round, within a bound.
 
 1. **Agree on who is left** (:meth:`Recovery.recover`). Each survivor checks in with where it
-   stands (its committed step, whether it was in the middle of the next). The membership closes
-   as soon as every rank not named in the fault has come, except those whose *pulse* stopped (the
-   dead never come; a live rank still busy with its own work, an evaluation, a save, a recompile,
-   is waited for), and at the latest after the hang timeout (half the bound); the first survivor to close it writes
-   it, and every survivor reads the same list (agreement.py). The watchdog's heartbeats cannot
-   tell the gone from the busy: they beat once a second, and stop as the survivors recover.
-2. **A new group.** Survivors are renumbered in the order of their old ranks (rank 0 stays rank
-   0 while it lives) and build a new process group on a fresh prefix of the coordination store:
-   a new *generation*. The trainer then takes one agreed state (regroup.py). Every collective of
-   this step (the group's creation, the state's broadcast, DDP's checks, the digests) runs in a
-   thread, waited on through the membership as the loop's are (:meth:`Recovery.run`), while the
-   waiting thread watches the new members' pulses: a member lost or frozen here is declared in
-   the new generation, and the survivors begin the next round at once, from the same agreed
-   state, the lost of every round in one change.
+   stands (its committed step, whether it was in the middle of the next). The membership closes as
+   soon as every rank not named in the fault has come, except those whose *pulse* stopped (the dead
+   never come; a live rank still busy with its own work, an evaluation, a save, a recompile, is
+   waited for), and at the latest after the hang timeout (half the bound); the first survivor to
+   close it writes it, and every survivor reads the same list (agreement.py). The watchdog's
+   heartbeats cannot tell the gone from the busy: they beat once a second, and stop as the
+   survivors recover.
+2. **A new group.** Survivors are renumbered in the order of their old ranks (rank 0 stays rank 0
+   while it lives) and build a new process group on a fresh prefix of the coordination store: a new
+   *generation*. The trainer then takes one agreed state (regroup.py). Every collective of this
+   step (the group's creation, the state's broadcast, DDP's checks, the digests) runs in a thread,
+   waited on through the membership as the loop's are (:meth:`Recovery.run`), while the waiting
+   thread watches the new members' pulses: a member lost or frozen here, or a node the new group
+   cannot be built across (reach.py), is declared in the new generation, and the survivors begin
+   the next round at once, from the same agreed state, the lost of every round in one change.
 
-If no step completes within ``bound_s`` of the fault, this rank falls back: it leaves
+If no step completes within ``bound_s`` of the fault's declaration, this rank falls back: it leaves
 (EXIT_GAVE_UP), and torchrun restarts the job from its last checkpoint. A rank the survivors went
 on without (frozen as they closed their membership, and woken) does not fall back: it is dropped
 (:class:`Dropped`, EXIT_DROPPED), as its fence would say it.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -93,8 +95,9 @@ class Recovery:
         self._pulse_keys: dict[int, str | None] = {}
         """The current generation's members' pulse keys, once a recovery has named them."""
         self._survey: Survey | None = None
-        """What the nodes found as the change began, where this rank watches the new group
-        (reach.py)."""
+        """What the nodes found as the round began, where this rank watches (reach.py)."""
+        self._announced_in = ""
+        """The prefix of the change's first generation: where the nodes said where they listen."""
         self._deadline: threading.Timer | None = None
         self._refilling: threading.Thread | None = None
         """Opens the spare connections a change took, once it is over."""
@@ -119,9 +122,12 @@ class Recovery:
             if fault.why == "hung":  # a stopped sibling named hung leaves only when killed
                 kill_stopped_siblings(m.identity.agent, lambda: pids_here(m, fault.suspects))
             m.inject(self.phase)
+            if self.change is None:  # where the nodes said where they listen (reach.py)
+                self._announced_in = m.key("")
             listener = node_listener(m.env.local_rank, backend_for(m.device))
             if listener is not None:  # for a new group that cannot be built across a cut
-                survey(m.connections.declare, m.key(""), m.env.rank, listener)
+                survey(m.store.clone, self._announced_in, m.key(""), self._origin_of(m.env.rank),
+                       listener)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by
             # itself (relay.py): a node's survivors make one check-in and one read.
@@ -266,32 +272,33 @@ class Recovery:
         without it (``closed_without_me``), or the fence's reason says so (where the store does
         not answer, the checkpoint folder's generation.json); else None. The bound is then off:
         no give-up follows, and no ``fallback`` record (the job did not fall back)."""
-        m = self.member
+        m, over = self.member, None
         if closed_without_me:
             line = dropped_line(m.env.rank, m.generation, f"the job is at {m.generation + 1}")
         else:
-            try:
+            with contextlib.suppress(CannotTell):
                 over = m.dropped()
-            except CannotTell:
-                return None
             if over is None:
                 return None
             line = over.line
         self.disarm()
         return Dropped(line)
 
-    def _surveyed(self, members: list[int], identities: Mapping[int, Identity]
-                  ) -> Survey | None:
-        """What the nodes of ``members`` (old ranks, in their new order) found as the change
-        began (reach.py), each node known by its first member's rank, as its first worker said
-        where it listens; None where an identity is unknown."""
+    def _surveyed(self, members: list[int], identities: Mapping[int, Identity]) -> Survey | None:
+        """What the nodes of ``members`` (this round's ranks, in their new order) found as the
+        round began (reach.py), each node known by its first member's rank where the change
+        began; None where an identity is unknown."""
         if any(identities[r] == UNKNOWN for r in members):
             return None
         first: dict[tuple[str, int], int] = {}
         for r in sorted(members):
-            first.setdefault(identities[r].node, r)
-        return Survey(self.member.connections.declare, self.member.key(""),
+            first.setdefault(identities[r].node, self._origin_of(r))
+        return Survey(self.member.store, self.member.key(""),
                       {new: first[identities[old].node] for new, old in enumerate(members)})
+
+    def _origin_of(self, rank: int) -> int:
+        """``rank`` of this round's generation, numbered as where the change began."""
+        return self._origin[rank] if self.change is not None else rank
 
     def _widen(self, change: Change, members: list[int]) -> Change:
         """``change`` as one with the change still being recovered, if any: from the world that
@@ -316,10 +323,9 @@ class Recovery:
         (ranks of ``identities``, in their new order), without the nodes that are ``gone``,
         with those that ``joined`` (a grow's)."""
         m = self.member
-        # The new generation's watchers read its members' pulses (run): they need every
-        # member's identity now (read once, where a grow named only its joiners), and hand
-        # them to the generation, whose watchers they are (each member writes its own again
-        # there, unchanged; a member that has not yet when a fault comes is known all the same).
+        # The new generation's watchers read its members' pulses (run): they need every member's
+        # identity now (read once, where a grow named only its joiners), and hand them to the
+        # generation (each member writes its own again there: one that has not yet is known).
         watching = change.env.rank in watchers(range(len(members)))
         if watching and isinstance(identities, ReadOnce):
             identities.read()
@@ -340,12 +346,11 @@ class Recovery:
         # The new generation's watchers read its members' pulses (run); the others never.
         self._pulse_keys = ({new: pulse_key(identities[old]) for new, old in enumerate(members)}
                             if watching else {})
-        # The group is built in a thread, and made the default one here, in the training
-        # thread, only once it is complete: a creation given up on (a member frozen) may still
-        # complete later, and then changes nothing. Its connection, which it may hold until
-        # the group's timeout, is one of the spares. gloo is done with it once connected;
-        # NCCL is not (its later communicators, a split, meet on the group's store): the
-        # connection stays with an NCCL group, and the spares are refilled after the change.
+        # Built in a thread, made the default group here, in the training thread, once complete:
+        # a creation given up on (a member frozen) may complete later, and changes nothing. Its
+        # connection, held until the group's timeout at most, is a spare: gloo is done with it
+        # once connected; NCCL is not (its later communicators meet on the group's store), and
+        # the spares are refilled after the change.
         spares = m.connections.group
         connection, generation, env = spares.take(), m.generation, m.env
         store = dist.PrefixStore(m.key("pg", generation), connection)
@@ -360,7 +365,7 @@ class Recovery:
                     spares.give_back(connection)
 
         m.inject("creating the new group")
-        backend = self.run("creating the new group", create)
+        backend, self._survey = self.run("creating the new group", create), None  # built
         install_group(backend, m.device, store, env.rank, env.world_size, m.pg_timeout)
 
     def run(self, phase: str, work: Callable[[], Any]) -> Any:

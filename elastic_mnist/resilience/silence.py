@@ -111,16 +111,18 @@ class SilenceWatch:
                 continue
             silent = sorted((silent or set()) - {self.rank})
             stalled, after = self.stalled_s(), stall_after(self.slowest_step_s())
-            trying = None if stalled is None or stalled < after else stalled - after
-            cut, why = self._cut(trying)
-            if trying is None or not (silent or cut):
+            if stalled is None or stalled < after:
+                self._cut(None)  # a wait begins anew
                 continue
+            if not silent:  # alive, all of them: cut off from their peers? (reach.py)
+                silent, why = self._cut(stalled - after)
+                if not silent or self.rank in silent:  # its own node: the other prober says it
+                    continue
+            else:
+                why = (f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut off from the "
+                       f"coordination store")
             began = time.monotonic()
-            if silent:
-                self.declare(silent, f"no pulse for {SILENT_S:.1f} s: stopped, wedged, or cut "
-                                     f"off from the coordination store")
-            else:  # alive, and cut off from their peers (reach.py)
-                self.declare(cut, why)
+            self.declare(silent, why)
             log.debug("verdict declared in %.3f s", time.monotonic() - began)
             return
 

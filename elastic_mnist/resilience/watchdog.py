@@ -93,8 +93,7 @@ class StoreSilent(Exception):
 
 
 class WatchdogClosed(StoreSilent):
-    """The watchdog was closed (its generation is over) before a store call could begin:
-    nothing answers, and a verdict reached meanwhile is dropped, not declared."""
+    """Closed (its generation over) before a store call began: a verdict meanwhile is dropped."""
 
 
 def probers(world_size: int) -> list[int]:
@@ -175,8 +174,9 @@ class Watchdog(NullWatchdog):
         on = go_on_without is not None  # the survivors go on in process
         self.silence = (SilenceWatch(env.rank, silent, self.stalled_s, self._declare_silent,
                                      self._stop, lambda: max(self.recent, default=0.0), cut=Cuts(
-                                         store, self._call, env.world_size, lambda: self.step)
-                                     if backend else None)
+                                         store, self._call, lambda: {r: b.node for r, b in
+                                                                     self.peers.items()},
+                                         lambda: self.step) if backend else None)
                         if silent is not None and on and self.prober else None)
         self.reach = (reach_for(env.rank, env.local_rank, backend, store, self._call)
                       if backend and on else NO_REACH)
@@ -187,6 +187,8 @@ class Watchdog(NullWatchdog):
         self._publish()  # before the first step: once it is done, every rank's entry is there
         with contextlib.suppress(StoreSilent):  # a store gone is seen by the probe
             self.reach.announce()
+        self.reach.watch(self.stalled_s, lambda: stall_after(max(self.recent, default=0.0)),
+                         lambda: self.step, self._stop)
         self._thread.start()
         if self.silence is not None:
             self.silence.start()
@@ -282,8 +284,6 @@ class Watchdog(NullWatchdog):
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
             self._publish()
-            self.reach.beat(self.stalled_s(), stall_after(max(self.recent, default=0.0)),
-                            self.step)
             if not self._probe_due():
                 continue
             if not self.prober:
