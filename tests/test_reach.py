@@ -137,14 +137,20 @@ def wait_for(condition, timeout=5.0):
         time.sleep(0.02)
 
 
+def two_nodes(store) -> tuple[reach.ReachWatch, reach.ReachWatch]:
+    """The first workers of nodes 0 and 2, listening, each said where in ``store``."""
+    call = lambda method, *args: method(*args)
+    watches = tuple(reach.ReachWatch(node, reach.Listener("127.0.0.1"), store, call)
+                    for node in (0, 2))
+    for watch in watches:
+        watch.announce()
+    return watches
+
+
 @pytest.mark.parametrize("stalled_s", [None, 0.5])
 def test_a_node_tries_only_once_its_step_waited_long_enough_and_says_what_it_found(stalled_s):
     store = dist.HashStore()
-    call = lambda method, *args: method(*args)
-    mine = reach.ReachWatch(0, reach.Listener("127.0.0.1"), store, call)
-    theirs = reach.ReachWatch(2, reach.Listener("127.0.0.1"), store, call)
-    mine.announce()
-    theirs.announce()
+    mine, theirs = two_nodes(store)
     said = lambda: json.loads(store.get(f"{reach.FOUND}/0"))
     try:
         mine.beat(stalled_s, 1.0, step=7)  # busy, or waiting 0.5 s of the 1 s: no try
@@ -170,11 +176,7 @@ def test_a_node_tries_only_once_its_step_waited_long_enough_and_says_what_it_fou
 
 def test_a_node_looks_ten_times_a_second_whether_to_try():
     store = dist.HashStore()
-    call = lambda method, *args: method(*args)
-    mine = reach.ReachWatch(0, reach.Listener("127.0.0.1"), store, call)
-    theirs = reach.ReachWatch(2, reach.Listener("127.0.0.1"), store, call)
-    mine.announce()
-    theirs.announce()
+    mine, theirs = two_nodes(store)
     theirs.listener.close()
     stalled, stop = [0.5], threading.Event()
     try:
