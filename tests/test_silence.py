@@ -121,6 +121,42 @@ def test_the_generations_pulses_are_read_once_its_identities_are_known():
     assert found[SILENT_PULSES - 2] == set() and found[-1] == {2, 3}
 
 
+def test_a_nodes_ranks_that_fell_silent_together_are_named_together():
+    """Node b's record stops being written: its slot 1 had last moved a look before its slot 0
+    (each rank raises its own pulse), so rank 3 is silent a look before rank 2. Both are named
+    at once; a rank of another record, or one whose pulse moves, is not."""
+    from elastic_mnist.resilience.agreement import Identity
+
+    class Slots:
+        def __init__(self):
+            self.a, self.b = [0, 0], [0, 0]
+            self.moving = {"a": [0, 1], "b": [0, 1]}
+
+        def multi_get(self, keys):
+            for slot in self.moving["a"]:
+                self.a[slot] += 1
+            for slot in self.moving["b"]:
+                self.b[slot] += 1
+            records = {"node/a": self.a, "node/b": self.b}
+            return [",".join(map(str, records[k])).encode() for k in keys]
+
+    known = ReadOnce(lambda: None, 3)
+    known.offer({r: Identity("h", 1, 1, r % 2, board="ab"[r // 2]) for r in range(4)})
+    store = Slots()
+    pulses = silence.GenerationPulses(store, known, ("node/a", 0))
+    for _ in range(3):
+        assert pulses() == set()
+    store.moving["b"] = [0]  # rank 3's pulse stops first; rank 2's a look later
+    assert pulses() == set()
+    store.moving["b"] = []
+    found = [pulses() for _ in range(SILENT_PULSES + 1)]
+    named = next(f for f in found if f)
+    assert named == {2, 3}
+    store.moving["a"] = [0]  # rank 1 frozen alone, its record written on: only itself
+    found = [pulses() for _ in range(SILENT_PULSES + 1)]
+    assert found[-1] == {1, 2, 3}
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
 def test_a_stopped_sibling_is_killed_and_a_running_one_left():
     stopped = subprocess.Popen(["sleep", "30"])

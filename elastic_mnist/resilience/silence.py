@@ -53,6 +53,9 @@ before a silent member is named: more than the steps of a healthy job here (0.05
 than the silence (1.5 s), so that it delays no verdict; and at least ``STALL_STEPS`` of the
 slowest recent steps, where steps are slow (many ranks on few cores starve pulse threads too)."""
 STALL_STEPS = 2
+TOGETHER_PULSES = 3
+"""Pulses (of the reader's own) within which the ranks of one node's record fell silent
+together."""
 SILENT_S = SILENT_PULSES * PULSE_S
 """The silence that names a member, in seconds of the prober's own pulse."""
 
@@ -69,13 +72,26 @@ class GenerationPulses:
         self._pulses: Pulses | None = None
 
     def __call__(self) -> set[int] | None:
-        """The silent members, or None while the generation's identities are not read yet."""
+        """The silent members, or None while the generation's identities are not read yet.
+
+        A node's pulses travel in one record: where it stops being written, its ranks fall
+        silent together, each counted from its own last pulse in it (a look apart, at most).
+        The ranks of a silent one's record that stood still within ``TOGETHER_PULSES`` of it
+        are named with it, instead of one now and the others only in the recovery, whose own
+        look at the pulses begins anew (1.5 s more, ``make partitions``' rank0-30)."""
         if self._pulses is None:
             if not self.known.ready:
                 return None
             self._pulses = Pulses(self.store, {rank: pulse_key(identity) for rank, identity
                                                in self.known.items()}, self.own)
-        return self._pulses.silent()
+        silent, keys, seen = self._pulses.silent(), self._pulses.keys, self._pulses.seen
+        latest: dict[str, int] = {}  # record → when its silent ranks' pulses last moved
+        for rank in silent:
+            if keys.get(rank) is not None:
+                latest[keys[rank][0]] = max(latest.get(keys[rank][0], -1), seen[rank][1])
+        return silent | {rank for rank, (_, since) in seen.items()
+                         if keys.get(rank) is not None and keys[rank][0] in latest
+                         and since <= latest[keys[rank][0]] + TOGETHER_PULSES}
 
 
 class SilenceWatch:
