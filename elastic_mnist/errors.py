@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 
 # --- exit codes -----------------------------------------------------------------------------------
 
@@ -117,6 +118,21 @@ class PeerFailure(RuntimeError):
 class CannotRecover(Exception):
     """This rank cannot go on in process; it leaves (EXIT_GAVE_UP), and torchrun restarts the
     job."""
+
+
+_SAYING_DROPPED = threading.Lock()
+
+
+def first_to_say_dropped() -> bool:
+    """True for the first of a process's threads to find that the job went on without it (a
+    writer's fence, the watchdog's, the recovery's), once per process: it says the one line and
+    ends the process; any other waits for that end (:func:`wait_for_the_end`)."""
+    return _SAYING_DROPPED.acquire(blocking=False)
+
+
+def wait_for_the_end() -> None:
+    """Another thread of this process is saying the dropped line and ending the process."""
+    threading.Event().wait()
 
 
 class Dropped(Exception):

@@ -150,6 +150,7 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
         with stop_on_signals() as stop:
             try:
                 outcome = trainer.fit(stop)
+                duties.membership.recovered()  # no step follows: no change's bound is left
             except RuntimeError:  # a collective failed: quietly, if a peer declared a hang
                 trainer.writers.watchdog.absorb()
                 raise

@@ -18,7 +18,9 @@ from elastic_mnist.errors import (
     FolderInUse,
     PeerStopped,
     TrainingDiverged,
+    first_to_say_dropped,
     report_user_error,
+    wait_for_the_end,
 )
 from elastic_mnist.job import check_recovery, run_training
 from elastic_mnist.joiner import join_training
@@ -48,6 +50,8 @@ def worker_main(cfg: TrainConfig, env: DistEnv) -> int:
     except PeerStopped as e:
         return e.exit_code
     except Dropped as e:  # the others went on without this rank: its one line, no record
+        if not first_to_say_dropped():  # a writer's fence says it, and ends the process
+            wait_for_the_end()
         log.error("%s", e)
         return e.exit_code
     except CannotRecover as e:  # the survivors could not go on in process

@@ -150,3 +150,26 @@ def test_a_node_cut_off_from_store_and_peers_leaves_as_the_folder_says_not_with_
         store.answer.set()
         reason.answer.set()
         dog.close()
+
+
+def test_a_folder_that_does_not_answer_either_is_bounded_too(monkeypatch):
+    """The store silent, and the checkpoint folder too (a mount the cut took): a commit's check
+    waits ASK_S and then FALLBACK_S once, a step's check waits for neither in flight, and an
+    "over" the folder finds late is acted on at the next check."""
+    monkeypatch.setattr(fence_module, "FALLBACK_S", 0.3)
+    monkeypatch.setattr(fence_module, "RECENT_S", 0.0)
+    store, folder, left = SilentStore(), threading.Event(), []
+    over = Over("rank 1 was dropped", EXIT_DROPPED)
+    fence = Fence(store, fallback=lambda: folder.wait(10) and over, ask_s=0.2,
+                  on_over=left.append)
+    began = time.monotonic()
+    with pytest.raises(CannotTell, match="the checkpoint folder not within 0.3 s"):
+        fence.check(strict=True)
+    assert 0.5 <= time.monotonic() - began < 1.0
+    assert timed(lambda: fence.check(recent=True)) < 0.05  # both in flight: no wait
+    folder.set()  # the folder answers: the job went on without this process
+    time.sleep(0.05)
+    with pytest.raises(FenceClosed):
+        fence.check(recent=True)
+    assert left == [over]
+    store.answer.set()

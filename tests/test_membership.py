@@ -87,8 +87,6 @@ def members(store, tmp_path):
     yield make
     for member in made:
         member.close()
-        if member.recovery._deadline is not None:  # armed by a recovery: it would end pytest at bound_s
-            member.recovery._deadline.cancel()
     # A recovery's step given up on (a group's creation waiting for a rank that never comes)
     # ends at the group's timeout; one still blocked in gloo when pytest exits aborts it
     # (std::terminate, status 134) as the timeout fires during the interpreter's shutdown.
@@ -486,7 +484,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
     with pytest.raises(Dropped) as e:
         theirs.recover(agreement.Position(step=3, mid_step=False, evaluated_step=0))
     assert (str(e.value), e.value.exit_code) == (DROPPED_LINE, EXIT_DROPPED)
-    assert theirs.recovery._deadline is None  # no give-up, no record
+    assert theirs.recovery.deadline.timer is None  # no give-up, no record
     assert len(written) == 1
     lines = [r.getMessage() for r in caplog.records
              if "recovery in process failed" in r.getMessage()]
@@ -533,9 +531,9 @@ def test_a_declaration_the_store_does_not_answer_ends_at_the_changes_bound(membe
         silent.set()
         declaring.join(5)
     other = members(1)
-    other.recovery.arm_deadline()
+    other.recovery.deadline.arm()
     other.close()
-    assert other.recovery._deadline is None
+    assert other.recovery.deadline.timer is None
 
 
 def test_a_rank_woken_at_its_bound_after_the_others_went_on_is_dropped(store, members,
@@ -1631,12 +1629,12 @@ def test_the_spare_connection_is_refilled_off_the_first_step_after_a_change(tmp_
         return clone()
 
     monkeypatch.setattr(spares, "_store", types.SimpleNamespace(clone=slow_clone))
-    mine.recovery.arm_deadline()
-    deadline = mine.recovery._deadline
+    mine.recovery.deadline.arm()
+    deadline = mine.recovery.deadline.timer
     done = threading.Thread(target=mine.recovered)
     done.start()
     done.join(2)
-    assert not done.is_alive() and mine.recovery._deadline is None and deadline.finished.is_set()
+    assert not done.is_alive() and mine.recovery.deadline.timer is None and deadline.finished.is_set()
     opened.set()
     mine.recovery._refilling.join(10)
     assert spares.idle() == 2

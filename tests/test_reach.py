@@ -14,7 +14,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from elastic_mnist.resilience import reach
+from elastic_mnist.resilience import findings, reach
 from elastic_mnist.resilience.heartbeat import Heartbeat
 
 
@@ -223,11 +223,11 @@ def test_a_change_goes_on_without_the_node_its_new_group_cannot_be_built_across(
     listeners[4].close()  # its peers do not hear it; it still reaches them
     try:
         for node in (0, 2, 4):
-            reach.survey(lambda: store, began, prefix, node, listeners[node]).join(timeout=10)
+            findings.survey(lambda: store, began, prefix, node, listeners[node]).join(timeout=10)
         assert json.loads(store.get(f"{prefix}{reach.FOUND}/0")) == {"step": None, "found": [4]}
         assert json.loads(store.get(f"{prefix}{reach.FOUND}/4"))["found"] == []
         # The new group's ranks, each with its node where the change began.
-        survey = reach.Survey(store, prefix, {0: 0, 1: 0, 2: 2, 3: 2, 4: 4, 5: 4})
+        survey = findings.Survey(store, prefix, {0: 0, 1: 0, 2: 2, 3: 2, 4: 4, 5: 4})
         assert survey.cut(0.5) == ([], "")  # a group over a sound network is built by then
         ranks, why = survey.cut(reach.CONNECT_S)
         assert ranks == [4, 5]
@@ -238,7 +238,7 @@ def test_a_change_goes_on_without_the_node_its_new_group_cannot_be_built_across(
             store.set(f"{prefix}{reach.FOUND}/{node}", json.dumps({"step": None, "found": []}))
         assert survey.cut(reach.CONNECT_S) == ([], "")
         # Without node 4 in the new group: nobody.
-        assert reach.Survey(store, prefix, {0: 0, 1: 2}).cut(reach.CONNECT_S) == ([], "")
+        assert findings.Survey(store, prefix, {0: 0, 1: 2}).cut(reach.CONNECT_S) == ([], "")
         # What a generation's own tries said is no survey's.
         store.set(f"{prefix}{reach.FOUND}/0", json.dumps({"step": 7, "found": [4]}))
         assert survey.cut(reach.CONNECT_S) == ([], "")
@@ -256,7 +256,7 @@ def test_a_prober_names_the_cut_node_as_soon_as_every_node_has_said_in_this_wait
     listeners = announced(store, "", [0, 4])
     step = [7]
     nodes = {0: 0, 1: 0, 2: 2, 3: 2, 4: 4, 5: 4}
-    look = reach.Cuts(store, lambda method, *args: method(*args), lambda: nodes, lambda: step[0])
+    look = findings.Cuts(store, lambda method, *args: method(*args), lambda: nodes, lambda: step[0])
     say = lambda node, found, at=7: store.set(f"{reach.FOUND}/{node}",
                                               json.dumps({"step": at, "found": found}))
     try:
@@ -270,7 +270,7 @@ def test_a_prober_names_the_cut_node_as_soon_as_every_node_has_said_in_this_wait
         ranks, why = look(0.2)
         assert ranks == [4, 5] and why.startswith("cut off from its peers on the data network")
         step[0] = 9  # a later wait: what was said in the last counts for nothing
-        assert look(reach.Cuts.PATIENCE_S) == ([], "")
+        assert look(findings.Cuts.PATIENCE_S) == ([], "")
     finally:
         for listener in listeners.values():
             listener.close()
@@ -303,7 +303,7 @@ def test_one_nodes_word_alone_drops_nobody():
     say = lambda node, found: store.set(f"{prefix}{reach.FOUND}/{node}",
                                         json.dumps({"step": None, "found": found}))
     say(4, [2])  # the higher node's word against the lower
-    survey = reach.Survey(store, prefix, {0: 0, 1: 2, 2: 4})
+    survey = findings.Survey(store, prefix, {0: 0, 1: 2, 2: 4})
     assert survey.cut(reach.CONNECT_S) == ([], "")
     say(0, [])
     assert survey.cut(2 * reach.CONNECT_S) == ([], "")  # node 2 never said: nobody
@@ -312,7 +312,7 @@ def test_one_nodes_word_alone_drops_nobody():
     # Nothing found anywhere: nobody, however long the group waits.
     say(2, [])
     say(4, [])
-    assert reach.Survey(store, prefix, {0: 2, 1: 4}).cut(60.0) == ([], "")
+    assert findings.Survey(store, prefix, {0: 2, 1: 4}).cut(60.0) == ([], "")
 
 
 def test_rank_0_admits_a_joining_node_only_once_it_answers_on_the_data_network(monkeypatch,
@@ -361,9 +361,9 @@ def test_the_survey_finds_what_the_generations_watchdog_announced_under_the_laun
             reach.ReachWatch(node, listener, dist.PrefixStore("g3", launch.clone()),
                              call).announce()
         theirs.close()
-        reach.survey(launch.clone, "g3/", "g4/", 0, mine).join(timeout=10)
+        findings.survey(launch.clone, "g3/", "g4/", 0, mine).join(timeout=10)
         assert json.loads(launch.get(f"g4/{reach.FOUND}/0")) == {"step": None, "found": [2]}
         launch.set(f"g4/{reach.FOUND}/2", json.dumps({"step": None, "found": [0]}))
-        assert reach.Survey(launch, "g4/", {0: 0, 1: 2}).cut(reach.CONNECT_S)[0] == [1]
+        assert findings.Survey(launch, "g4/", {0: 0, 1: 2}).cut(reach.CONNECT_S)[0] == [1]
     finally:
         mine.close()

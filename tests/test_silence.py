@@ -155,6 +155,17 @@ def test_a_nodes_ranks_that_fell_silent_together_are_named_together():
     store.moving["a"] = [0]  # rank 1 frozen alone, its record written on: only itself
     found = [pulses() for _ in range(SILENT_PULSES + 1)]
     assert found[-1] == {1, 2, 3}
+    # A record whose other rank stood still only later (a pulse thread starved, alive): the
+    # silent one alone.
+    store = Slots()
+    pulses = silence.GenerationPulses(store, known, ("node/a", 0))
+    pulses()
+    store.moving["b"] = [0]
+    for _ in range(6):
+        pulses()
+    store.moving["b"] = []
+    found = [pulses() for _ in range(SILENT_PULSES)]
+    assert next(f for f in found if f) == {3}
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")

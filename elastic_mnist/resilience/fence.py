@@ -42,7 +42,7 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 from elastic_mnist.distributed import end_process
-from elastic_mnist.errors import CannotTell
+from elastic_mnist.errors import CannotTell, first_to_say_dropped, wait_for_the_end
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +73,10 @@ Reason = Callable[[], "Over | None"]
 
 
 def leave(over: Over) -> None:
+    """Ends the process with ``over``'s one line and status (once: see
+    :func:`~elastic_mnist.errors.first_to_say_dropped`)."""
+    if not first_to_say_dropped():
+        wait_for_the_end()
     log.error("%s", over.line)
     end_process(over.status)
 
@@ -105,6 +109,8 @@ class Fence(NullFence):
         """Guards the question in flight and the verdict's state: held across no question."""
         self._question: concurrent.futures.Future | None = None
         self._asked_at = 0.0
+        self._fallback_answer: concurrent.futures.Future | None = None
+        self._fallback_at = 0.0
         self._over: Over | None = None
         """A verdict of "over", once any question found it: every later check acts on it."""
 
@@ -134,7 +140,7 @@ class Fence(NullFence):
             over, unsure = question.result(
                 0 if recent and in_flight else min(left, RECENT_WAIT_S) if recent else left)
         except concurrent.futures.TimeoutError:
-            over, unsure = self._without_store()
+            over, unsure = self._without_store(recent)
         if over is not None:
             self.on_over(over)
             raise FenceClosed(over.line)
@@ -168,29 +174,41 @@ class Fence(NullFence):
                 return over, None
         return None, unsure
 
-    def _without_store(self) -> tuple[Over | None, CannotTell | None]:
+    def _without_store(self, recent: bool) -> tuple[Over | None, CannotTell | None]:
         """The fallback's verdict, where the reasons did not answer in time: bounded too (the
         checkpoint folder may be a mount that the cut took with the store, whose read waits
-        for the heal), in a daemon thread of its own, ``FALLBACK_S``."""
+        for the heal), one at a time in a daemon thread of its own, ``FALLBACK_S`` from when it
+        was asked; a step's check (``recent``) waits for none in flight. An "over" it finds
+        late is acted on at the next check."""
         why = CannotTell(f"the job's store did not answer the fence within {self.ask_s:g} s")
         if self.fallback is None:
             return None, why
-        answer: concurrent.futures.Future = concurrent.futures.Future()
-
-        def ask(fallback: Reason = self.fallback) -> None:
-            try:
-                answer.set_result(fallback())
-            except Exception as e:  # noqa: BLE001 - CannotTell, or the folder's error: handed on
-                answer.set_exception(e)
-
-        threading.Thread(target=ask, daemon=True, name="fence-fallback").start()
+        with self._lock:
+            answer, in_flight = self._fallback_answer, True
+            if answer is None or answer.done():
+                answer, in_flight = concurrent.futures.Future(), False
+                self._fallback_answer, self._fallback_at = answer, time.monotonic()
+                threading.Thread(target=self._fall_back, args=(answer, self.fallback),
+                                 daemon=True, name="fence-fallback").start()
+        left = 0.0 if recent and in_flight else max(
+            0.0, self._fallback_at + FALLBACK_S - time.monotonic())
         try:
-            return answer.result(FALLBACK_S), None
+            return answer.result(left), None
         except CannotTell as e:
             return None, e
         except concurrent.futures.TimeoutError:
             return None, CannotTell(f"{why}, and the checkpoint folder not within "
                                     f"{FALLBACK_S:g} s")
+
+    def _fall_back(self, answer: concurrent.futures.Future, fallback: Reason) -> None:
+        try:
+            over = fallback()
+        except Exception as e:  # noqa: BLE001 - CannotTell, or the folder's error: handed on
+            answer.set_exception(e)
+            return
+        if over is not None:
+            self._over = over
+        answer.set_result(over)
 
 
 class FenceClosed(Exception):

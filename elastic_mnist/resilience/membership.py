@@ -259,7 +259,7 @@ class Membership(NullMembership):
     def close(self) -> None:
         """Stops watching (the job has ended): no change's bound ends the process now."""
         self._closed = True
-        self.recovery.disarm()
+        self.recovery.deadline.disarm()
         if self.admissions is not None:
             self.admissions.close()
         with contextlib.suppress(RuntimeError):
@@ -360,12 +360,12 @@ class Membership(NullMembership):
                 # Woken by the generation's one fault (or declared already), which woke every
                 # rank: nothing to say (a compare_set by every rank was W operations at once).
                 return known
-            self.recovery.arm_deadline()  # the change's bound runs from here: a store away holds
-            # it no longer. One that found the fault itself, or a watcher, makes sure that every
-            # rank was woken (declare_fault).
-            fault = Fault(why, sorted(suspects), env.rank, detail, time.time())
-            agreed = declare_fault(store, self.key("", current), env.world_size,
-                                   json.dumps(asdict(fault)))
+            # One that found the fault itself, or a watcher, makes sure that every rank was woken
+            # (declare_fault), within the change's bound, which runs from here (a store away
+            # holds the declaring thread no longer: deadline.py).
+            fault = json.dumps(asdict(Fault(why, sorted(suspects), env.rank, detail, time.time())))
+            agreed = self.recovery.deadline.during(
+                lambda: declare_fault(store, self.key("", current), env.world_size, fault))
         return Fault(**json.loads(agreed))
 
     def identities(self, store: dist.Store | None = None, generation: int | None = None,

@@ -13,7 +13,7 @@ every other node's listener, from that address, once a wait (again after ``TRY_A
 each try again every ``RESEND_S`` (one lost SYN is no cut), and says in the store which nodes it
 could not reach within ``CONNECT_S`` (``FOUND``); when the wait ends, it takes that back. The
 probers, which look at the pulses ten times a second while they wait, look there too
-(:class:`Cuts`): as soon as every node has said what it found in this wait, the nodes to drop are
+(:class:`~elastic_mnist.resilience.findings.Cuts`): as soon as every node has said what it found in this wait, the nodes to drop are
 the fewest whose loss leaves every pair of the rest in reach of each other (:func:`cut_off`; a pair
 counts only where both of its nodes said, since one side alone cannot tell which side is cut off),
 and the others go on without them in process, a few seconds after the cut instead of at the hang
@@ -24,15 +24,16 @@ second or more.
 A cut can also strike first inside a node (one way of its link dropped: its own collective fails
 at once, naming no peer), and then every rank checks in, the cut one too, since it reaches the
 store: the new group, built across the cut, could never be complete (59 s, and a restart). So as
-each round of a change begins, each node's first worker tries the others again (:func:`survey`; its
+each round of a change begins, each node's first worker tries the others again (:func:`~elastic_mnist.resilience.findings.survey`; its
 listener outlives the generations), and where the new group is still not built when the tries
-are done, the change's watchers drop the nodes cut off (:class:`Survey`), in a round of the
+are done, the change's watchers drop the nodes cut off (findings.py), in a round of the
 same change.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import functools
 import json
 import logging
@@ -171,8 +172,10 @@ def unreachable(source: str, targets: Mapping[int, str], timeout_s: float = CONN
                         untried.add(node)
                         continue
                     try:
-                        s.connect_ex((host, int(port)))
+                        error = s.connect_ex((host, int(port)))
                     except (OSError, ValueError):  # no such address
+                        error = errno.EINVAL
+                    if error not in (0, errno.EINPROGRESS):  # refused, no route: at once
                         close(s)
                         bad.add(node)
                         continue
@@ -238,6 +241,27 @@ def node_listener(local_rank: int, backend: str) -> Listener | None:
     return None if address is None else _listener_on(address)
 
 
+FOUND = "elastic_mnist/reach/found"
+"""What each node's first worker found, in the generation's store: ``FOUND/<node>``,
+``{"step": S, "found": [...]}``, the nodes it could not reach while the step after S waited
+(``step`` null: as a change began)."""
+CUTS = "elastic_mnist/reach/cuts"
+"""How many times a node of the generation found another it could not reach: while none has, a
+prober's look is one read."""
+
+
+def announced(store: Any, prefix: str, call: Callable[..., Any] = lambda f, *a: f(*a)
+              ) -> dict[int, str]:
+    """Where each node of the generation of ``prefix`` listens, as its first worker said (node
+    → ``"host:port"``)."""
+    count = int(call(store.add, f"{prefix}{NODES}", 0))
+    keys = [f"{prefix}{NODES}/{n}" for n in range(count)]
+    # Present only: an entry may never be written (its node lost between its count and its
+    # address), and a multi_get waits for a missing key.
+    lines = (v.decode().split(" ", 1) for v in read_present(store, keys, call).values())
+    return {int(node): where for node, where in lines}
+
+
 class ReachWatch:
     """A node's first worker, in one generation: its listener, and its tries to reach the other
     nodes while its step waits. Every other worker has none (:data:`NO_REACH`)."""
@@ -255,6 +279,9 @@ class ReachWatch:
         """What this node last said it found, in the store."""
         self._tried_at: float | None = None
         """When this node last tried, in the step's current wait."""
+        self._wait = 0
+        """The step's waits so far: a try that outlives its wait says nothing."""
+        self._saying = threading.Lock()
 
     def announce(self) -> None:
         """Says where this node listens, for the generation."""
@@ -276,8 +303,10 @@ class ReachWatch:
     def beat(self, stalled_s: float | None, after_s: float, step: int = 0) -> None:
         """Once the step (``step``, the last one done) has waited ``after_s``, a try in the
         background (one at a time), whose finding is said in the store for the probers
-        (:class:`Cuts`); before that, nothing found."""
+        (:class:`~elastic_mnist.resilience.findings.Cuts`); before that, nothing found."""
         if stalled_s is None or stalled_s < after_s:
+            if self._tried_at is not None:
+                self._wait += 1
             self.found, self._tried_at = [], None
             if self._said is not None and self._said["found"]:  # the wait is over: a cut
                 self._say(step, [])  # found in it holds no more, in this step's next wait too
@@ -287,31 +316,36 @@ class ReachWatch:
         if self._tried_at is not None and time.monotonic() - self._tried_at < TRY_AGAIN_S:
             return
         self._tried_at = time.monotonic()
-        self._trying = threading.Thread(target=self._try, args=(step,), daemon=True,
+        self._trying = threading.Thread(target=self._try, args=(step, self._wait), daemon=True,
                                         name="reach-try")
         self._trying.start()
 
-    def _say(self, step: int, found: list[int]) -> None:
-        """Says in the store what this node found while the step after ``step`` waited."""
+    def _say(self, step: int, found: list[int], wait: int | None = None) -> None:
+        """Says in the store what this node found while the step after ``step`` waited (in its
+        ``wait``-th wait: nothing once that is over), by one thread at a time (the try's, the
+        watch's that takes it back)."""
         said = {"step": step, "found": found}
-        if said == self._said:
-            return
-        try:
-            self.call(self.store.set, f"{FOUND}/{self.node}", json.dumps(said))
-            if found:
-                self.call(self.store.add, CUTS, 1)
-            self._said = said
-        except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: said next time
-            log.debug("what this node found was not said: %s", e)
+        with self._saying:
+            if said == self._said or (wait is not None and wait != self._wait):
+                return
+            try:
+                self.call(self.store.set, f"{FOUND}/{self.node}", json.dumps(said))
+                if found:
+                    self.call(self.store.add, CUTS, 1)
+                self._said = said
+            except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: said next time
+                log.debug("what this node found was not said: %s", e)
 
-    def _try(self, step: int) -> None:
+    def _try(self, step: int, wait: int) -> None:
         try:
             if self._targets is None:  # read once: every node said where as the group began
                 self._targets = {node: where for node, where
                                  in announced(self.store, "", self.call).items()
                                  if node != self.node}
-            self.found = sorted(unreachable(self.listener.host, self._targets))
-            self._say(step, self.found)
+            found = sorted(unreachable(self.listener.host, self._targets))
+            if wait == self._wait:
+                self.found = found
+                self._say(step, found, wait)
         except Exception as e:  # noqa: BLE001 - StoreSilent, a store error: nothing found
             log.debug("no try to reach the other nodes: %s", e)
 
@@ -348,10 +382,10 @@ def cut_off_ranks(heartbeats: Mapping[int, Heartbeat]) -> tuple[list[int], str]:
     if not dropped:
         return [], ""
     ranks = sorted(r for r, beat in heartbeats.items() if beat.node in dropped)
-    return ranks, f"cut off from its peers on the data network ({_said(found)})"
+    return ranks, f"cut off from its peers on the data network ({in_words(found)})"
 
 
-def _said(found: Mapping[int, set[int]]) -> str:
+def in_words(found: Mapping[int, set[int]]) -> str:
     """What each node found, in words."""
     return "; ".join(f"node of rank {a} could not reach the node(s) of rank(s) "
                      f"{', '.join(map(str, sorted(b)))}" for a, b in sorted(found.items()) if b)
@@ -365,128 +399,3 @@ def reach_for(rank: int, local_rank: int, backend: str, store: Any,
     if listener is None:
         return NO_REACH
     return ReachWatch(rank - local_rank, listener, store, call)
-
-
-# --- a change's survey --------------------------------------------------------------------------
-
-FOUND = "elastic_mnist/reach/found"
-"""What each node's first worker found, in the generation's store: ``FOUND/<node>``,
-``{"step": S, "found": [...]}``, the nodes it could not reach while the step after S waited
-(``step`` null: as a change began)."""
-CUTS = "elastic_mnist/reach/cuts"
-"""How many times a node of the generation found another it could not reach: while none has, a
-prober's look is one read."""
-
-
-def announced(store: Any, prefix: str, call: Callable[..., Any] = lambda f, *a: f(*a)
-              ) -> dict[int, str]:
-    """Where each node of the generation of ``prefix`` listens, as its first worker said (node
-    → ``"host:port"``)."""
-    count = int(call(store.add, f"{prefix}{NODES}", 0))
-    keys = [f"{prefix}{NODES}/{n}" for n in range(count)]
-    # Present only: an entry may never be written (its node lost between its count and its
-    # address), and a multi_get waits for a missing key.
-    lines = (v.decode().split(" ", 1) for v in read_present(store, keys, call).values())
-    return {int(node): where for node, where in lines}
-
-
-def survey(connect: Callable[[], Any], announced_in: str, prefix: str, node: int,
-           listener: Listener) -> threading.Thread:
-    """As a round of a change begins in the generation of ``prefix``: this node (``node``: its
-    first rank where the change began) tries every other node that said where it listens in the
-    generation the change began in (``announced_in``), in a thread, and says in the store which
-    it could not reach. On a connection of its own (``connect()``): a store that does not answer
-    holds nothing else, and nothing is said."""
-
-    def look() -> None:
-        try:
-            store = connect()
-            targets = {other: where for other, where in announced(store, announced_in).items()
-                       if where != listener.address}
-            store.set(f"{prefix}{FOUND}/{node}", json.dumps(
-                {"step": None, "found": sorted(unreachable(listener.host, targets))}))
-        except Exception as e:  # noqa: BLE001 - a store error: nothing said
-            log.debug("no survey of the other nodes: %s", e)
-
-    thread = threading.Thread(target=look, daemon=True, name="reach-survey")
-    thread.start()
-    return thread
-
-
-class Survey:
-    """What the nodes found as a change began, read by its watchers while the new group is not
-    built: the nodes it cannot be built across (:func:`cut_off`)."""
-
-    def __init__(self, store: Any, prefix: str, nodes: Mapping[int, int],
-                 step: int | None = None, call: Callable[..., Any] = lambda f, *a: f(*a),
-                 not_before_s: float = CONNECT_S, patience_s: float = CONNECT_S,
-                 what: str = "the new group cannot be built across a cut on the data network"):
-        """``prefix``: the surveyed generation's, in ``store``; ``nodes``: each rank of the
-        group → its node there (its first rank); ``step``: what was found while the step after
-        it waited, only (None: what a change's survey found); ``call``: makes each store operation
-        (the watchdog's, bounded); ``not_before_s``: how long the group waits before anything
-        found counts; ``patience_s``: how long after that for every node's word; ``what``: the
-        verdict, in words."""
-        self.store, self.prefix, self.nodes = store, prefix, dict(nodes)
-        self.step, self.call, self.what = step, call, what
-        self.not_before_s, self.patience_s = not_before_s, patience_s
-        self.found: dict[int, set[int]] = {}
-
-    def cut(self, waited_s: float) -> tuple[list[int], str]:
-        """The group's ranks to go on without, and why, once it has waited ``waited_s`` for its
-        members: nothing before ``not_before_s``, nor, until ``patience_s`` after it, before
-        every node has said what it found (a node that has no listener says nothing; a verdict
-        on one side's word may drop the wrong node)."""
-        if waited_s < self.not_before_s:
-            return [], ""
-        nodes = set(self.nodes.values())
-        keys = {f"{self.prefix}{FOUND}/{node}": node for node in nodes}
-        self.found = {}  # read anew at each look: a node that found a cut may find it healed
-        for key, value in read_present(self.store, list(keys), self.call).items():
-            said = json.loads(value)
-            if said["step"] == self.step:
-                self.found[keys[key]] = set(said["found"])
-        if nodes - self.found.keys() and waited_s < self.not_before_s + self.patience_s:
-            return [], ""
-        # A pair is cut only where both of its nodes said what they found (a handshake fails
-        # both ways in any cut): one node's word alone drops nobody, not even itself.
-        heard = set(self.found)
-        dropped = cut_off({a: b & heard for a, b in self.found.items()}, nodes & heard)
-        if not dropped:
-            return [], ""
-        return (sorted(r for r, node in self.nodes.items() if node in dropped),
-                f"{self.what} ({_said(self.found)})")
-
-
-class Cuts:
-    """A prober's look, while its step waits, at what the generation's nodes found
-    (:class:`ReachWatch`): the ranks of the nodes to go on without, as soon as every node has
-    said what it found in this wait (or ``PATIENCE_S`` after the tries began), instead of at
-    the hang verdict. One read a look while no node found a cut in the generation."""
-
-    PATIENCE_S = CONNECT_S + 1.0
-    """A try takes ``CONNECT_S`` at most, and each node begins when its own wait is long enough
-    (its own slowest steps), looked at every ``LOOK_S``."""
-
-    def __init__(self, store: Any, call: Callable[..., Any],
-                 nodes: Callable[[], Mapping[int, int]], step: Callable[[], int]):
-        """``store``: the generation's, on which ``call`` (the watchdog's bounded call) makes
-        each operation; ``nodes()``: each rank's node, as its heartbeat said it; ``step()``: the
-        last step this rank completed."""
-        self.store, self.call, self.nodes, self.step = store, call, nodes, step
-        self._survey: Survey | None = None
-
-    def __call__(self, trying_s: float | None) -> tuple[list[int], str]:
-        """``trying_s``: how long the nodes have been trying in this wait (None: the step does
-        not wait for that long)."""
-        if trying_s is None:
-            self._survey = None
-            return [], ""
-        if not int(self.call(self.store.add, CUTS, 0)):
-            return [], ""
-        step = self.step()
-        if self._survey is None or self._survey.step != step:
-            self._survey = Survey(self.store, "", self.nodes(), step, self.call, not_before_s=0.0,
-                                  patience_s=self.PATIENCE_S,
-                                  what="cut off from its peers on the data network")
-        return self._survey.cut(trying_s)

@@ -47,6 +47,8 @@ from elastic_mnist.errors import (
     Dropped,
     PeerFailure,
     first_line,
+    first_to_say_dropped,
+    wait_for_the_end,
 )
 from elastic_mnist.resilience.agreement import (
     NO_STATE,
@@ -66,8 +68,10 @@ from elastic_mnist.resilience.agreement import (
     watchers,
 )
 from elastic_mnist.resilience.current import dropped_line
+from elastic_mnist.resilience.deadline import Deadline
 from elastic_mnist.resilience.faces import Member
-from elastic_mnist.resilience.reach import Survey, node_listener, survey
+from elastic_mnist.resilience.findings import Survey, survey
+from elastic_mnist.resilience.reach import node_listener
 from elastic_mnist.resilience.read_once import ReadOnce
 from elastic_mnist.resilience.silence import kill_stopped_siblings
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
@@ -96,9 +100,11 @@ class Recovery:
         """The current generation's members' pulse keys, once a recovery has named them."""
         self._survey: Survey | None = None
         """What the nodes found as the round began, where this rank watches (reach.py)."""
+        self._surveying: threading.Thread | None = None
         self._announced_in = ""
         """The prefix of the change's first generation: where the nodes said where they listen."""
-        self._deadline: threading.Timer | None = None
+        self.deadline = Deadline(lambda: member.bound_s, self._give_up)
+        """The change's bound (deadline.py)."""
         self._refilling: threading.Thread | None = None
         """Opens the spare connections a change took, once it is over."""
 
@@ -114,7 +120,7 @@ class Recovery:
         """
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
-        self.arm_deadline()
+        self.deadline.arm()
         self.phase = "agreeing on who is left"
         try:
             fault = m.declare(why, list(suspects), detail)
@@ -125,9 +131,11 @@ class Recovery:
             if self.change is None:  # where the nodes said where they listen (reach.py)
                 self._announced_in = m.key("")
             listener = node_listener(m.env.local_rank, backend_for(m.device))
-            if listener is not None:  # for a new group that cannot be built across a cut
-                survey(m.store.clone, self._announced_in, m.key(""), self._origin_of(m.env.rank),
-                       listener)
+            # For a new group that cannot be built across a cut: on the watchdog's connection,
+            # idle in a change (a recovery opens no connection), one survey at a time.
+            if listener is not None and not (self._surveying and self._surveying.is_alive()):
+                self._surveying = survey(lambda: m.connections.watchdog, self._announced_in,
+                                         m.key(""), self._origin_of(m.env.rank), listener)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by
             # itself (relay.py): a node's survivors make one check-in and one read.
@@ -203,7 +211,7 @@ class Recovery:
         new generation (PeerFailure: the survivors recover from it)."""
         m = self.member
         detected, detected_at = time.monotonic(), time.time()
-        self.arm_deadline()
+        self.deadline.arm()
         self.change, self._origin, self._survey = None, [], None
         self.phase = "admitting the joining nodes"
         change, identities = self._grown(decision, m.generation + 1, position.step,
@@ -221,7 +229,7 @@ class Recovery:
         ``decision``: it takes its place there, and builds the new group with the job's ranks
         (see :meth:`grow`)."""
         detected, detected_at = time.monotonic(), time.time()
-        self.arm_deadline()
+        self.deadline.arm()
         self.phase = "entering the job"
         change, identities = self._grown(decision, admission["generation"], admission["step"],
                                          admission["evaluated_step"], detected, detected_at)
@@ -281,7 +289,7 @@ class Recovery:
             if over is None:
                 return None
             line = over.line
-        self.disarm()
+        self.deadline.disarm()
         return Dropped(line)
 
     def _surveyed(self, members: list[int], identities: Mapping[int, Identity]) -> Survey | None:
@@ -425,24 +433,9 @@ class Recovery:
 
     # --- the bound, and the end of a change -------------------------------------------------------
 
-    def arm_deadline(self) -> None:
-        """Starts the change's bound, where it has not started: as a fault is declared (by any
-        thread: the watchdog's declaration waits for a store that may be away), or as this
-        rank recovers or grows."""
-        if self._deadline is None:
-            self._deadline = threading.Timer(self.member.bound_s, self._give_up)
-            self._deadline.daemon = True
-            self._deadline.start()
-
-    def disarm(self) -> None:
-        """Stops the change's bound: the change is over, or the job (its membership closed)."""
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
     def recovered(self) -> None:
         """The first step after a change completed: the bound is off, the change over."""
-        self.disarm()
+        self.deadline.disarm()
         self.change = None
         self.phase, self.failure = "detecting the fault", ""
         spares = self.member.connections.group
@@ -471,6 +464,8 @@ class Recovery:
         question.start()
         question.join(DROPPED_QUESTION_S)
         if asked and asked[0] is not None:
+            if not first_to_say_dropped():
+                wait_for_the_end()
             log.error("%s", asked[0])
             end_process(EXIT_DROPPED)
             return

@@ -89,9 +89,17 @@ class GenerationPulses:
         for rank in silent:
             if keys.get(rank) is not None:
                 latest[keys[rank][0]] = max(latest.get(keys[rank][0], -1), seen[rank][1])
-        return silent | {rank for rank, (_, since) in seen.items()
-                         if keys.get(rank) is not None and keys[rank][0] in latest
-                         and since <= latest[keys[rank][0]] + TOGETHER_PULSES}
+        if not latest:
+            return silent
+        records: dict[str, list[int]] = {}
+        for rank in seen:
+            if keys.get(rank) is not None and keys[rank][0] in latest:
+                records.setdefault(keys[rank][0], []).append(rank)
+        for record, ranks in records.items():  # only where the whole record stopped: a rank
+            # of it whose pulse moves, or stood still later (starved, alive), names nobody more
+            if all(seen[rank][1] <= latest[record] + TOGETHER_PULSES for rank in ranks):
+                silent |= set(ranks)
+        return silent
 
 
 class SilenceWatch:

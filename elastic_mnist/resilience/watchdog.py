@@ -71,8 +71,9 @@ from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_HUNG, CannotTell
 from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
+from elastic_mnist.resilience.findings import Cuts
 from elastic_mnist.resilience.heartbeat import Heartbeat, Verdict, training_thread_position
-from elastic_mnist.resilience.reach import NO_REACH, Cuts, cut_off_ranks, reach_for
+from elastic_mnist.resilience.reach import NO_REACH, cut_off_ranks, reach_for
 from elastic_mnist.resilience.silence import SilenceWatch, stall_after
 
 log = logging.getLogger(__name__)
@@ -97,8 +98,7 @@ class WatchdogClosed(StoreSilent):
 
 
 def probers(world_size: int) -> list[int]:
-    """The ranks that read the heartbeats: the first and the last, on the first node and the
-    last (ranks are numbered node by node), wherever the job has two."""
+    """The ranks that read the heartbeats: the first and the last, on two nodes where it has two."""
     return sorted({0, world_size - 1})
 
 
@@ -172,11 +172,11 @@ class Watchdog(NullWatchdog):
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
         self._declaring = threading.Lock()  # two threads reach verdicts: the hang's, the silence's
         on = go_on_without is not None  # the survivors go on in process
+        nodes = lambda: {r: beat.node for r, beat in self.peers.items()}
         self.silence = (SilenceWatch(env.rank, silent, self.stalled_s, self._declare_silent,
                                      self._stop, lambda: max(self.recent, default=0.0), cut=Cuts(
-                                         store, self._call, lambda: {r: b.node for r, b in
-                                                                     self.peers.items()},
-                                         lambda: self.step) if backend else None)
+                                         store, self._call, nodes, lambda: self.step)
+                                     if backend else None)
                         if silent is not None and on and self.prober else None)
         self.reach = (reach_for(env.rank, env.local_rank, backend, store, self._call)
                       if backend and on else NO_REACH)
