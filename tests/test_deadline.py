@@ -1,0 +1,54 @@
+"""The change's bound (elastic_mnist/resilience/deadline.py): one timer a change, whichever
+thread begins it; a replaced or disarmed timer ends nothing; a declaration that fails leaves no
+bound behind. In milliseconds."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from elastic_mnist.resilience.deadline import Deadline
+
+
+def test_the_first_to_arm_starts_the_bound_and_only_it_can_end_the_process():
+    fired: list[str] = []
+    deadline = Deadline(lambda: 0.2, lambda: fired.append("expired"))
+    armed = []
+    threads = [threading.Thread(target=lambda: armed.append(deadline.arm())) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(armed) == [False] * 7 + [True]  # one timer, however many threads begin it
+    deadline.disarm()
+    deadline.arm()  # the next change's
+    time.sleep(0.35)
+    assert fired == ["expired"]  # the next change's timer only
+    deadline.disarm()
+
+
+def test_a_timer_replaced_meanwhile_ends_nothing():
+    fired: list[str] = []
+    deadline = Deadline(lambda: 10, lambda: fired.append("expired"))
+    deadline.arm()
+    stale = deadline.timer
+    deadline.disarm()
+    deadline.arm()
+    stale.function()  # the stale timer fires after all (cancel raced its expiry)
+    assert fired == []
+    deadline.disarm()
+
+
+def test_a_declaration_that_fails_leaves_no_bound_behind():
+    deadline = Deadline(lambda: 10, lambda: None)
+    with pytest.raises(RuntimeError):
+        deadline.during(lambda: (_ for _ in ()).throw(RuntimeError("store reset")))
+    assert deadline.timer is None
+    deadline.arm()  # armed by a recovery before: a failing declaration leaves that one alone
+    with pytest.raises(RuntimeError):
+        deadline.during(lambda: (_ for _ in ()).throw(RuntimeError("store reset")))
+    assert deadline.timer is not None
+    assert deadline.during(lambda: "agreed") == "agreed" and deadline.timer is not None
+    deadline.disarm()
