@@ -39,7 +39,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from elastic_mnist.distributed import end_process
 from elastic_mnist.errors import CannotTell, first_to_say_dropped, wait_for_the_end
@@ -106,11 +106,11 @@ class Fence(NullFence):
         self._unsure = False
         """The last verdict could not tell (said once, until one can again)."""
         self._lock = threading.Lock()
-        """Guards the question in flight and the verdict's state: held across no question."""
-        self._question: concurrent.futures.Future | None = None
-        self._asked_at = 0.0
-        self._fallback_answer: concurrent.futures.Future | None = None
-        self._fallback_at = 0.0
+        """Guards the verdict's state: held across no question."""
+        self._questions = InFlight(self._ask, "fence", lambda answer: self._keep(answer[0]))
+        """The reasons' question: the store's, for the writer, training and watchdog threads."""
+        self._fallbacks = InFlight(lambda: fallback(), "fence-fallback", self._keep)
+        """The fallback's: the checkpoint folder's, which may be a mount the cut took too."""
         self._over: Over | None = None
         """A verdict of "over", once any question found it: every later check acts on it."""
 
@@ -124,21 +124,9 @@ class Fence(NullFence):
         if over is not None:
             self.on_over(over)
             raise FenceClosed(over.line)
-        with self._lock:  # one question in flight, for the writer, training and watchdog threads
-            question, in_flight = self._question, True
-            if question is None or question.done():
-                question, in_flight = concurrent.futures.Future(), False
-                self._question, self._asked_at = question, time.monotonic()
-                # A daemon thread of its own: one that a silent store holds never holds the
-                # process's exit (an executor's threads are joined at exit).
-                threading.Thread(target=self._answer, args=(question,), daemon=True,
-                                 name="fence").start()
-        # A question's bound is its own, from when it was asked: a store silent for minutes
-        # costs the checks of those minutes ASK_S in all, not ASK_S each.
-        left = max(0.0, self._asked_at + self.ask_s - time.monotonic())
         try:
-            over, unsure = question.result(
-                0 if recent and in_flight else min(left, RECENT_WAIT_S) if recent else left)
+            over, unsure = self._questions.result(self.ask_s, lambda in_flight, left: (
+                0 if recent and in_flight else min(left, RECENT_WAIT_S) if recent else left))
         except concurrent.futures.TimeoutError:
             over, unsure = self._without_store(recent)
         if over is not None:
@@ -153,14 +141,10 @@ class Fence(NullFence):
         if unsure is not None and strict:
             raise unsure
 
-    def _answer(self, question: concurrent.futures.Future) -> None:
-        try:
-            answer = self._ask()
-            if answer[0] is not None:
-                self._over = answer[0]
-            question.set_result(answer)
-        except BaseException as e:  # noqa: BLE001 - handed to the check that waits for it
-            question.set_exception(e)
+    def _keep(self, over: Over | None) -> None:
+        """An "over" found by any question: every later check acts on it."""
+        if over is not None:
+            self._over = over
 
     def _ask(self) -> tuple[Over | None, CannotTell | None]:
         """Every reason's verdict: the first "over", else whether one could not tell."""
@@ -183,32 +167,53 @@ class Fence(NullFence):
         why = CannotTell(f"the job's store did not answer the fence within {self.ask_s:g} s")
         if self.fallback is None:
             return None, why
-        with self._lock:
-            answer, in_flight = self._fallback_answer, True
-            if answer is None or answer.done():
-                answer, in_flight = concurrent.futures.Future(), False
-                self._fallback_answer, self._fallback_at = answer, time.monotonic()
-                threading.Thread(target=self._fall_back, args=(answer, self.fallback),
-                                 daemon=True, name="fence-fallback").start()
-        left = 0.0 if recent and in_flight else max(
-            0.0, self._fallback_at + FALLBACK_S - time.monotonic())
         try:
-            return answer.result(left), None
+            return self._fallbacks.result(FALLBACK_S, lambda in_flight, left: (
+                0.0 if recent and in_flight else left)), None
         except CannotTell as e:
             return None, e
         except concurrent.futures.TimeoutError:
             return None, CannotTell(f"{why}, and the checkpoint folder not within "
                                     f"{FALLBACK_S:g} s")
 
-    def _fall_back(self, answer: concurrent.futures.Future, fallback: Reason) -> None:
+
+
+class InFlight:
+    """A question asked in a daemon thread of its own (one that a silent store or folder holds
+    never holds the process's exit), one at a time: a check while one is in flight waits for
+    that one, and each question's bound runs from when it was asked, so that a store silent for
+    minutes costs the checks of those minutes the bound in all, not the bound each."""
+
+    def __init__(self, ask: Callable[[], Any], name: str, found: Callable[[Any], None]):
+        """``ask()``: the question; ``found(answer)``: told every answer, in the asking thread,
+        waited for or not."""
+        self._ask, self._name, self._found = ask, name, found
+        self._lock = threading.Lock()
+        self._future: concurrent.futures.Future | None = None
+        self._asked_at = 0.0
+
+    def result(self, bound_s: float, wait_s: Callable[[bool, float], float]) -> Any:
+        """The answer of the question in flight, or of one asked now, waited for
+        ``wait_s(in_flight, left)`` seconds (``left``: what remains of ``bound_s`` since it was
+        asked); the question's error, or TimeoutError."""
+        with self._lock:
+            future, in_flight = self._future, True
+            if future is None or future.done():
+                future, in_flight = concurrent.futures.Future(), False
+                self._future, self._asked_at = future, time.monotonic()
+                threading.Thread(target=self._answer, args=(future,), daemon=True,
+                                 name=self._name).start()
+            left = max(0.0, self._asked_at + bound_s - time.monotonic())
+        return future.result(wait_s(in_flight, left))
+
+    def _answer(self, future: concurrent.futures.Future) -> None:
         try:
-            over = fallback()
-        except Exception as e:  # noqa: BLE001 - CannotTell, or the folder's error: handed on
-            answer.set_exception(e)
+            answer = self._ask()
+        except BaseException as e:  # noqa: BLE001 - handed to the check that waits for it
+            future.set_exception(e)
             return
-        if over is not None:
-            self._over = over
-        answer.set_result(over)
+        self._found(answer)
+        future.set_result(answer)
 
 
 class FenceClosed(Exception):

@@ -71,7 +71,6 @@ class Survey:
         self.store, self.prefix, self.nodes = store, prefix, dict(nodes)
         self.step, self.call, self.what = step, call, what
         self.not_before_s, self.patience_s = not_before_s, patience_s
-        self.found: dict[int, set[int]] = {}
 
     def cut(self, waited_s: float) -> tuple[list[int], str]:
         """The group's ranks to go on without, and why, once it has waited ``waited_s`` for its
@@ -82,21 +81,20 @@ class Survey:
             return [], ""
         nodes = set(self.nodes.values())
         keys = {f"{self.prefix}{FOUND}/{node}": node for node in nodes}
-        self.found = {}  # read anew at each look: a node that found a cut may find it healed
+        found: dict[int, set[int]] = {}  # read anew at each look: a cut found may have healed
         for key, value in read_present(self.store, list(keys), self.call).items():
             said = json.loads(value)
             if said["step"] == self.step:
-                self.found[keys[key]] = set(said["found"])
-        if nodes - self.found.keys() and waited_s < self.not_before_s + self.patience_s:
+                found[keys[key]] = set(said["found"])
+        if nodes - found.keys() and waited_s < self.not_before_s + self.patience_s:
             return [], ""
         # A pair is cut only where both of its nodes said what they found (a handshake fails
         # both ways in any cut): one node's word alone drops nobody, not even itself.
-        heard = set(self.found)
-        dropped = cut_off({a: b & heard for a, b in self.found.items()}, nodes & heard)
+        dropped = cut_off({a: b & found.keys() for a, b in found.items()}, nodes & found.keys())
         if not dropped:
             return [], ""
         return (sorted(r for r, node in self.nodes.items() if node in dropped),
-                f"{self.what} ({in_words(self.found)})")
+                f"{self.what} ({in_words(found)})")
 
 
 class Cuts:
@@ -121,7 +119,6 @@ class Cuts:
         """``trying_s``: how long the nodes have been trying in this wait (None: the step does
         not wait for that long)."""
         if trying_s is None:
-            self._survey = None
             return [], ""
         if not int(self.call(self.store.add, CUTS, 0)):
             return [], ""

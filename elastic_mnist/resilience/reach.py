@@ -13,21 +13,21 @@ every other node's listener, from that address, once a wait (again after ``TRY_A
 each try again every ``RESEND_S`` (one lost SYN is no cut), and says in the store which nodes it
 could not reach within ``CONNECT_S`` (``FOUND``); when the wait ends, it takes that back. The
 probers, which look at the pulses ten times a second while they wait, look there too
-(:class:`~elastic_mnist.resilience.findings.Cuts`): as soon as every node has said what it found in this wait, the nodes to drop are
-the fewest whose loss leaves every pair of the rest in reach of each other (:func:`cut_off`; a pair
-counts only where both of its nodes said, since one side alone cannot tell which side is cut off),
-and the others go on without them in process, a few seconds after the cut instead of at the hang
-verdict. The heartbeats carry the same findings, for that verdict. One node per node tries, one
-connection per other node: at 1,000 nodes, a thousand connections a node, once a wait that lasts a
-second or more.
+(:class:`~elastic_mnist.resilience.findings.Cuts`): as soon as every node has said what it found in
+this wait, the nodes to drop are the fewest whose loss leaves every pair of the rest in reach of
+each other (:func:`cut_off`; a pair counts only where both of its nodes said, since one side alone
+cannot tell which side is cut off), and the others go on without them in process, a few seconds
+after the cut instead of at the hang verdict. The heartbeats carry the same findings, for that
+verdict. One node per node tries, one connection per other node: at 1,000 nodes, a thousand
+connections a node, once a wait that lasts a second or more.
 
-A cut can also strike first inside a node (one way of its link dropped: its own collective fails
-at once, naming no peer), and then every rank checks in, the cut one too, since it reaches the
-store: the new group, built across the cut, could never be complete (59 s, and a restart). So as
-each round of a change begins, each node's first worker tries the others again (:func:`~elastic_mnist.resilience.findings.survey`; its
-listener outlives the generations), and where the new group is still not built when the tries
-are done, the change's watchers drop the nodes cut off (findings.py), in a round of the
-same change.
+A cut can also strike first inside a node (one way of its link dropped: its own collective fails at
+once, naming no peer), and then every rank checks in, the cut one too, since it reaches the store:
+the new group, built across the cut, could never be complete (59 s, and a restart). So as each
+round of a change begins, each node's first worker tries the others again
+(:func:`~elastic_mnist.resilience.findings.survey`; its listener outlives the generations), and
+where the new group is still not built when the tries are done, the change's watchers drop the
+nodes cut off (findings.py), in a round of the same change.
 """
 
 from __future__ import annotations
