@@ -1059,7 +1059,10 @@ def results_record(b: Bench, names: list[str], outcome: Outcome, argv: list[str]
     import torch
     import torchvision
 
-    shown = [shown_path(Path(arg)) if arg.startswith("/") else arg for arg in argv]
+    # A path outside the repository, absolute or relative (a data folder beside the clone),
+    # is this machine's own: kept by its name only.
+    shown = [shown_path(Path(arg)) if arg.startswith("/") or Path(arg).exists() else arg
+             for arg in argv]
     results = {
         "generated": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["scripts/bench.py", *shown]),
