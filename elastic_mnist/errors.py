@@ -131,8 +131,9 @@ def first_to_say_dropped() -> bool:
 
 
 def wait_for_the_end() -> None:
-    """Another thread of this process is saying the dropped line and ending the process."""
-    threading.Event().wait()
+    """Another thread of this process is saying its line and ending the process: a few
+    seconds at most (then this one goes on, and says its own)."""
+    threading.Event().wait(5.0)
 
 
 class Dropped(Exception):

@@ -150,12 +150,12 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
         with stop_on_signals() as stop:
             try:
                 outcome = trainer.fit(stop)
-                duties.membership.recovered()  # no step follows: no change's bound is left
             except RuntimeError:  # a collective failed: quietly, if a peer declared a hang
                 trainer.writers.watchdog.absorb()
                 raise
-            finally:  # no step follows: nothing left to watch
+            finally:  # no step follows: nothing left to watch, no change to bound
                 trainer.writers.watchdog.close()
+                duties.membership.no_more_changes()
         trainer.writers.checkpointer.wait()
     finally:  # a rank the job went on without leaves with that line alone
         trainer.writers.close(dropped=isinstance(sys.exc_info()[1], Dropped))

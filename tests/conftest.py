@@ -73,3 +73,14 @@ def real_split(tmp_path_factory) -> Path:
         write_idx(raw / f"{prefix}-images-idx3-ubyte", images[sl])
         write_idx(raw / f"{prefix}-labels-idx1-ubyte", labels[sl])
     return root
+
+
+@pytest.fixture(autouse=True)
+def _the_dropped_line_said_anew():
+    """A process says its leaving line once (errors.first_to_say_dropped); each test here is
+    a process of its own in that respect."""
+    yield
+    from elastic_mnist import errors
+
+    if errors._SAYING_DROPPED.locked():
+        errors._SAYING_DROPPED.release()

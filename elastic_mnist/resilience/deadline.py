@@ -3,10 +3,11 @@
 A change begins in one of several threads: the watchdog's or the silence watch's, as they declare
 a fault (a declaration waits for a store that may be away), or the training thread's, as it
 recovers, grows or enters the job. Each arms the bound; the first one arms it, and only that
-timer may end the process. It is disarmed once the change is over (its first step), once the job
-has no step left, or where the declaration that armed it failed (nothing was declared: no change
-follows). Arming and disarming race across those threads, so both hold one lock, and a timer
-that fires after it was replaced or disarmed does nothing.
+timer may end the process. It is disarmed once the change is over (its first step), and closed
+once the job has no step left (no change can begin then). A declaration that fails keeps the
+bound it started: its store is gone, and the process leaves at the bound in one line. Arming and
+disarming race across those threads, so both hold one lock, and a timer that fires after it was
+replaced or disarmed does nothing.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ class Deadline:
         self.timer: threading.Timer | None = None
         """The armed timer; None while no change is under way."""
         self._lock = threading.Lock()
+        self._closed = False
 
     def arm(self) -> bool:
         """Starts the bound, where it has not started; True where this call started it."""
         with self._lock:
-            if self.timer is not None:
+            if self.timer is not None or self._closed:
                 return False
             self.timer = threading.Timer(self.seconds(), self._fire)
             self.timer.daemon = True
@@ -46,19 +48,25 @@ class Deadline:
                 self.timer.cancel()
                 self.timer = None
 
+    def close(self) -> None:
+        """The job has no step left: no change begins, and no bound ends the process."""
+        with self._lock:
+            self._closed = True
+        self.disarm()
+
     def during(self, call: Callable[[], T]) -> T:
         """``call()``, a fault's declaration, within the bound, which starts here where it has
-        not; a call that fails leaves behind no bound that it started."""
-        armed = self.arm()
-        try:
-            return call()
-        except BaseException:
-            if armed:
-                self.disarm()
-            raise
+        not."""
+        self.arm()
+        return call()
+
+    def current(self) -> bool:
+        """Whether the calling thread may end the process for the bound: not a timer replaced
+        or disarmed meanwhile (a change that completed as its bound ran out)."""
+        thread = threading.current_thread()
+        with self._lock:
+            return not isinstance(thread, threading.Timer) or thread is self.timer
 
     def _fire(self) -> None:
-        with self._lock:  # replaced or disarmed meanwhile: another change's, or none
-            if threading.current_thread() is not self.timer:
-                return
-        self.expire()
+        if self.current():
+            self.expire()

@@ -84,6 +84,9 @@ class NullMembership:
     def finish(self) -> None:
         """At the job's end, before the agents are released: nothing to say."""
 
+    def no_more_changes(self) -> None:
+        """The job has no step left: no change begins, and no change's bound ends the process."""
+
     def close(self) -> None:
         pass
 

@@ -360,9 +360,8 @@ class Membership(NullMembership):
                 # Woken by the generation's one fault (or declared already), which woke every
                 # rank: nothing to say (a compare_set by every rank was W operations at once).
                 return known
-            # One that found the fault itself, or a watcher, makes sure that every rank was woken
-            # (declare_fault), within the change's bound, which runs from here (a store away
-            # holds the declaring thread no longer: deadline.py).
+            # One that found the fault itself, or a watcher, wakes every rank (declare_fault),
+            # within the change's bound, which runs from here (deadline.py).
             fault = json.dumps(asdict(Fault(why, sorted(suspects), env.rank, detail, time.time())))
             agreed = self.recovery.deadline.during(
                 lambda: declare_fault(store, self.key("", current), env.world_size, fault))
@@ -384,17 +383,18 @@ class Membership(NullMembership):
 
     def recover(self, position: Position, why: str = "died", suspects: tuple[int, ...] = (),
                 detail: str = "") -> Change:
-        """Agrees with the other survivors on who is left, and builds their new process group:
-        see :meth:`Recovery.recover`."""
+        """Agrees on who is left, and builds the new group: see :meth:`Recovery.recover`."""
         return self.recovery.recover(position, why, suspects, detail)
 
     def run(self, phase: str, work: Callable[[], Any]) -> Any:
-        """``work()``, a recovery's collectives, given up on with the generation: see
-        :meth:`Recovery.run`."""
+        """A recovery's collectives, given up on with the generation: :meth:`Recovery.run`."""
         return self.recovery.run(phase, work)
 
     def recovered(self) -> None:
         self.recovery.recovered()
+
+    def no_more_changes(self) -> None:  # the job has no step left (faces.py)
+        self.recovery.deadline.close()
 
     # --- nodes that join (admissions.py, recovery.py) ---------------------------------------------
 

@@ -100,7 +100,6 @@ class Recovery:
         """The current generation's members' pulse keys, once a recovery has named them."""
         self._survey: Survey | None = None
         """What the nodes found as the round began, where this rank watches (reach.py)."""
-        self._surveying: threading.Thread | None = None
         self._announced_in = ""
         """The prefix of the change's first generation: where the nodes said where they listen."""
         self.deadline = Deadline(lambda: member.bound_s, self._give_up)
@@ -132,10 +131,10 @@ class Recovery:
                 self._announced_in = m.key("")
             listener = node_listener(m.env.local_rank, backend_for(m.device))
             # For a new group that cannot be built across a cut: on the watchdog's connection,
-            # idle in a change (a recovery opens no connection), one survey at a time.
-            if listener is not None and not (self._surveying and self._surveying.is_alive()):
-                self._surveying = survey(lambda: m.connections.watchdog, self._announced_in,
-                                         m.key(""), self._origin_of(m.env.rank), listener)
+            # idle in a change (a recovery opens no connection), one survey a round.
+            if listener is not None:
+                survey(lambda: m.connections.watchdog, self._announced_in, m.key(""),
+                       self._origin_of(m.env.rank), listener)
             expected = set(range(m.env.world_size)) - set(fault.suspects)
             # By the node's relay, on the node's board, where this rank does not agree by
             # itself (relay.py): a node's survivors make one check-in and one read.
@@ -463,9 +462,11 @@ class Recovery:
                                     daemon=True, name="membership-dropped")
         question.start()
         question.join(DROPPED_QUESTION_S)
+        if not self.deadline.current():  # the change completed as the question was asked
+            return
+        if not first_to_say_dropped():  # another thread says the line, and ends the process
+            wait_for_the_end()
         if asked and asked[0] is not None:
-            if not first_to_say_dropped():
-                wait_for_the_end()
             log.error("%s", asked[0])
             end_process(EXIT_DROPPED)
             return
