@@ -19,19 +19,26 @@ import time
 import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_GAVE_UP
-from elastic_mnist.resilience import recovery, watchdog
+from elastic_mnist.resilience import agent_monitor, agent_store, keep_alive, recovery, watchdog
+from elastic_mnist.resilience.agent_settings import Settings
+from elastic_mnist.resilience.agents import AgentsHandler
 from elastic_mnist.resilience.board import NodeBoard
 from elastic_mnist.resilience.fence import Fence
 from elastic_mnist.resilience.membership import Membership
+from elastic_mnist.resilience.roster import Roster
 from elastic_mnist.resilience.speaker import Speaker
 
 
 class SilentRelay:
     """A TCP relay in front of a store's port: it relays until :meth:`cut`, then holds every
-    byte both ways and closes nothing, until :meth:`heal`."""
+    byte both ways and closes nothing, until :meth:`heal`. :meth:`hold_existing` holds the
+    connections made so far only, for good: as after a heal, where a connection that waited
+    through the cut waits on as long as TCP's retransmissions were backed off, and a fresh one
+    answers at once."""
 
     def __init__(self, port: int):
         self.target = port
@@ -40,6 +47,7 @@ class SilentRelay:
         self.open = threading.Event()
         self.open.set()
         self.sockets: list[socket.socket] = []
+        self.flows: list[threading.Event] = []
         threading.Thread(target=self._accept, daemon=True).start()
 
     def _accept(self) -> None:
@@ -50,13 +58,18 @@ class SilentRelay:
                 return
             upstream = socket.create_connection(("127.0.0.1", self.target))
             self.sockets += [client, upstream]
+            flowing = threading.Event()
+            flowing.set()
+            self.flows.append(flowing)
             for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, flowing), daemon=True).start()
 
-    def _pump(self, source: socket.socket, sink: socket.socket) -> None:
+    def _pump(self, source: socket.socket, sink: socket.socket,
+              flowing: threading.Event) -> None:
         with contextlib.suppress(OSError):
             while data := source.recv(65536):
                 self.open.wait()  # cut: held here, unanswered, nothing closed
+                flowing.wait()
                 sink.sendall(data)
         with contextlib.suppress(OSError):
             sink.shutdown(socket.SHUT_WR)
@@ -67,8 +80,14 @@ class SilentRelay:
     def heal(self) -> None:
         self.open.set()
 
+    def hold_existing(self) -> None:
+        for flowing in self.flows:
+            flowing.clear()
+
     def close(self) -> None:
         self.heal()
+        for flowing in self.flows:
+            flowing.set()
         self.server.close()
         for s in self.sockets:
             with contextlib.suppress(OSError):
@@ -173,6 +192,54 @@ def test_the_nodes_record_never_holds_the_pulse(relay):
         speaker.close()
 
 
+def test_opening_a_connection_to_a_silent_store_waits_past_its_timeout(relay):
+    """Why every fresh connection below is opened in a thread and waited for a bound
+    (in_flight.py's ``within``): a store that accepts and then says nothing (a frozen store, a
+    cut past the accept) holds the opening of a TCPStore client past its timeout (torch
+    2.14.1)."""
+    relay.cut()
+    took, _ = waited(lambda: client(relay, timeout_s=0.3), 1.2)
+    assert took is None
+
+
+def test_an_agents_monitor_and_keep_alive_go_on_on_fresh_connections(relay, monkeypatch,
+                                                                      caplog):
+    """Our rendezvous handler (agents.py) on a connection held for good: torch's agent's
+    ``num_nodes_waiting``, asked from the thread that watches its workers, answers within
+    ``ANSWER_S`` (agent_monitor.py; 0.3 s here), and goes on on a fresh connection; the
+    keep-alive, on its own, raises its counter again within ``HELD_S`` (0.5 s here) and a
+    keep-alive interval; the agent's shutdown returns."""
+    monkeypatch.setattr(agent_monitor, "ANSWER_S", 0.3)
+    monkeypatch.setattr(keep_alive, "HELD_S", 0.5)
+    params = RendezvousParameters("elastic-mnist", f"127.0.0.1:{relay.port}", "job", 1, 1,
+                                  is_host="false", keep_alive_interval="0.1",
+                                  last_call_timeout="0")
+    handler = AgentsHandler(Settings.from_params(params), nproc=1)
+    try:
+        handler.next_rendezvous()
+        assert handler.num_nodes_waiting() == 0
+        while Roster(handler.store, "job").keep_alives([handler.serial]) < [2]:
+            time.sleep(0.05)  # the keep-alive's own connection is open, and raises
+        relay.hold_existing()
+        direct = client(relay)
+        before = Roster(direct, "job").keep_alives([handler.serial])
+        took, waiting = waited(handler.num_nodes_waiting, 5)
+        assert took is not None and 0.3 <= took < 0.3 + agent_store.CONNECT_S and waiting == 0
+        took, _ = waited(handler.num_nodes_waiting, 5)
+        assert took is not None and took < 0.3  # answered on the fresh connection
+        assert not handler.monitor.silent
+        deadline = time.monotonic() + 0.5 + keep_alive.CONNECT_S + 0.1 + 1
+        while Roster(direct, "job").keep_alives([handler.serial]) == before:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any("did not answer within 0.3 s" in m for m in said), said
+        assert any("reaches the rendezvous store again" in m for m in said), said
+    finally:
+        took, _ = waited(handler.shutdown, 5)
+        assert took is not None
+
+
 def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypatch, caplog):
     """A fault declared while the store is silent (membership.py, recovery.py): the declaration
     waits, and the change's bound, which runs from it, ends the process in one line
@@ -207,5 +274,6 @@ def test_every_connection_is_listed_with_its_bound():
     text = (Path(__file__).parent.parent / "docs" / "recovery.md").read_text()
     section = text.split("## Every wait, and its bound", 1)[1].split("\n## ", 1)[0]
     for kind in ("the writers' fence", "the watchdog", "the node's pulse record",
-                 "a fault's declaration", "the recovery"):
+                 "a fault's declaration", "the recovery", "the agent's monitor",
+                 "the agent's keep-alive"):
         assert kind in section, kind

@@ -14,17 +14,46 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agent_settings import Settings
+from elastic_mnist.resilience.in_flight import within
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.05
 """How often an agent looks whether the store listens."""
+
+CONNECT_S = 2.0
+"""How long the opening of a fresh connection is waited for (:meth:`Connection.renew`)."""
+
+
+class Connection:
+    """The agent's connection to the store, which :meth:`renew` replaces by a fresh one; every
+    call goes to the current one. A call held by a silent connection waits, in torch 2.14.1, as
+    long as TCP keeps the connection, and after the heal as long as TCP's retransmissions were
+    backed off, where a fresh connection answers at once (agent_monitor.py renews it)."""
+
+    def __init__(self, store: dist.TCPStore, reopen: Callable[[], dist.TCPStore]):
+        self._store, self._reopen = store, reopen
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def renew(self) -> bool:
+        """Whether a fresh connection opened within ``CONNECT_S``: then the calls go to it (one
+        in flight on the old one is left to it)."""
+        try:
+            self._store = within(self._reopen, CONNECT_S, "rdzv-connect")
+        except (RuntimeError, TimeoutError) as e:  # refused, or held: the store is still away
+            log.debug("no fresh connection to the rendezvous store: %s", first_line(e))
+            return False
+        return True
 
 
 def client(settings: Settings, port: int) -> dist.TCPStore:

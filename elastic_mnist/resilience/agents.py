@@ -49,8 +49,9 @@ from torch.distributed.elastic.rendezvous import (
 
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience import roster as rs
+from elastic_mnist.resilience.agent_monitor import Monitor
 from elastic_mnist.resilience.agent_settings import NAME, Settings, torchrun_nproc
-from elastic_mnist.resilience.agent_store import client, connect
+from elastic_mnist.resilience.agent_store import Connection, client, connect
 from elastic_mnist.resilience.exit_barrier import ExitBarrier, ExitStore
 from elastic_mnist.resilience.keep_alive import KeepAlive
 from elastic_mnist.resilience.roster import (
@@ -106,8 +107,10 @@ class AgentsHandler(RendezvousHandler):
 
     def __init__(self, settings: Settings, nproc: int):
         self.settings, self.nproc = settings, nproc
-        self.server, self.store = connect(settings)
-        self.port = self.store.port
+        self.server, first = connect(settings)
+        self.port = first.port
+        self.store = Connection(first, self._client)
+        """This agent's connection, opened anew where a question held it (agent_monitor.py)."""
         self.roster = Roster(self.store, settings.run_id)
         try:
             self.serial = self.roster.register(AgentRecord(
@@ -128,8 +131,9 @@ class AgentsHandler(RendezvousHandler):
         """Whether this agent waited for a job it found running (see :meth:`_finish`)."""
         self.records: dict[int, AgentRecord] = {}
         self.next_look = 0.0
+        self.monitor = Monitor(self.serial, self.store, self._monitored, self._renewed)
         self.barrier = ExitBarrier(self.roster, self.serial, self.liveness, lambda: (
-            self.round if self.round is not None else self.seen_round))
+            self.round if self.round is not None else self.seen_round), settle=self._settle)
         """This agent's exit barrier (exit_barrier.py)."""
         self.exit_store = ExitStore(self.barrier, self.store, settings.timeout_s)
         self.environment: dict[str, str] = {}
@@ -149,8 +153,19 @@ class AgentsHandler(RendezvousHandler):
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def _client(self) -> dist.TCPStore:
-        """A connection of its own to the store (the keep-alive's)."""
+        """A connection of its own to the store (the keep-alive's; this agent's, anew)."""
         return client(self.settings, self.port)
+
+    def _renewed(self) -> None:
+        """The connection was opened anew under a held question, which keeps the judgement of
+        the keep-alives it was making: the judgement begins again (a dead agent is found
+        ``keep_alive_max_attempt`` keep-alives later than it would have been)."""
+        self.liveness = Liveness(self.roster, self.serial, self.settings.keep_alive_max_attempt)
+        self.barrier.liveness = self.liveness
+
+    def _settle(self) -> None:
+        """Before this agent's thread uses the store again: see :meth:`Monitor.settle`."""
+        self.monitor.settle(self.settings.timeout_s)
 
     def _export(self, **variables: str | None) -> None:
         """Puts ``variables`` in this process's environment (None: removes it), which torchrun's
@@ -184,12 +199,18 @@ class AgentsHandler(RendezvousHandler):
     def num_nodes_waiting(self) -> int:
         """Agents waiting in the next round: torch's agent restarts its workers for them.
 
-        torch's agent asks every ``--monitor_interval`` while its workers run: at most twice per
-        keep-alive interval (less often beyond 40 agents: :func:`look_interval`), this agent
-        then also looks at the keep-alives of the job's agents, so that it knows the dead ones
-        when it reaches the exit barrier."""
+        torch's agent asks every ``--monitor_interval`` while its workers run, from the thread
+        that watches them: answered within ``ANSWER_S`` (agent_monitor.py), 0 where the store
+        did not answer."""
         if self.round is None:
             return 0
+        return self.monitor.waiting()
+
+    def _monitored(self) -> int:
+        """The monitor's question: the agents waiting; at most twice per keep-alive interval
+        (less often beyond 40 agents: :func:`look_interval`), this agent also looks at the
+        keep-alives of the job's agents, so that it knows the dead ones when it reaches the
+        exit barrier."""
         if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (linger)
             waiting = self.roster.waiting_agents() if self.server is not None else []
             judged = self.barrier.expected() + waiting
@@ -203,6 +224,7 @@ class AgentsHandler(RendezvousHandler):
         open: other agents may still come); the agent serving the store first lets those at the
         exit barrier leave it."""
         self.keep_alive.stop()
+        self._settle()
         try:
             self.roster.leave(self.serial)
             if self.server is not None:
@@ -212,6 +234,7 @@ class AgentsHandler(RendezvousHandler):
         return True
 
     def next_rendezvous(self) -> RendezvousInfo:
+        self._settle()
         deadline = time.monotonic() + self.settings.join_timeout_s
         answer = None if self.round is None else self._reenter()
         while answer is None:

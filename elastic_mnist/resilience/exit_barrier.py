@@ -31,15 +31,18 @@ class ExitBarrier:
     it serves the store, lingers at its end for those still using it."""
 
     def __init__(self, roster: Roster, serial: int, liveness: Liveness,
-                 round_: Callable[[], int | None]):
+                 round_: Callable[[], int | None], settle: Callable[[], None] = lambda: None):
         """``round_()``: the round whose job this agent is in (the round it was last answered
-        in, else the one whose job it waits to enter)."""
+        in, else the one whose job it waits to enter); ``settle()``: called before the barrier
+        uses the store (the agent's monitor may still ask it, agent_monitor.py)."""
         self.roster, self.serial, self.liveness, self.round = roster, serial, liveness, round_
+        self.settle = settle
 
     def wait(self, timeout_s: float) -> None:
         """Waits until every live agent of the job has arrived here too, at most ``timeout_s``:
         the agents of the job's last record of this round (``P job``'s nodes), else those of the
         round."""
+        self.settle()
         roster = self.roster
         roster.arrive_at_exit(self.serial)
         start = time.monotonic()

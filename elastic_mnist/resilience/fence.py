@@ -39,10 +39,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 from elastic_mnist.distributed import end_process
 from elastic_mnist.errors import CannotTell, first_to_say_dropped, wait_for_the_end
+from elastic_mnist.resilience.in_flight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -175,45 +176,6 @@ class Fence(NullFence):
         except concurrent.futures.TimeoutError:
             return None, CannotTell(f"{why}, and the checkpoint folder not within "
                                     f"{FALLBACK_S:g} s")
-
-
-
-class InFlight:
-    """A question asked in a daemon thread of its own (one that a silent store or folder holds
-    never holds the process's exit), one at a time: a check while one is in flight waits for
-    that one, and each question's bound runs from when it was asked, so that a store silent for
-    minutes costs the checks of those minutes the bound in all, not the bound each."""
-
-    def __init__(self, ask: Callable[[], Any], name: str, found: Callable[[Any], None]):
-        """``ask()``: the question; ``found(answer)``: told every answer, in the asking thread,
-        waited for or not."""
-        self._ask, self._name, self._found = ask, name, found
-        self._lock = threading.Lock()
-        self._future: concurrent.futures.Future | None = None
-        self._asked_at = 0.0
-
-    def result(self, bound_s: float, wait_s: Callable[[bool, float], float]) -> Any:
-        """The answer of the question in flight, or of one asked now, waited for
-        ``wait_s(in_flight, left)`` seconds (``left``: what remains of ``bound_s`` since it was
-        asked); the question's error, or TimeoutError."""
-        with self._lock:
-            future, in_flight = self._future, True
-            if future is None or future.done():
-                future, in_flight = concurrent.futures.Future(), False
-                self._future, self._asked_at = future, time.monotonic()
-                threading.Thread(target=self._answer, args=(future,), daemon=True,
-                                 name=self._name).start()
-            left = max(0.0, self._asked_at + bound_s - time.monotonic())
-        return future.result(wait_s(in_flight, left))
-
-    def _answer(self, future: concurrent.futures.Future) -> None:
-        try:
-            answer = self._ask()
-        except BaseException as e:  # noqa: BLE001 - handed to the check that waits for it
-            future.set_exception(e)
-            return
-        self._found(answer)
-        future.set_result(answer)
 
 
 class FenceClosed(Exception):

@@ -9,7 +9,9 @@ the heal: its node looked silent to the others for that long (``make partitions`
 outage named rank 0 hung 25 s after the heal). So a writer thread writes the latest record only
 (a record not yet written is replaced by the next), and a write that has not returned within
 ``STUCK_S`` is left to its connection: the next record goes on a fresh one, opened in a thread of
-its own (one at a time), which reaches a store that is back at once.
+its own (one at a time), which reaches a store that is back at once. The opening is waited for
+``CONNECT_S`` (in_flight.py: a store that accepts and then says nothing holds it as long as a
+call), then the next record tries again.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from collections.abc import Callable
 import torch.distributed as dist
 
 from elastic_mnist.errors import first_line
+from elastic_mnist.resilience.in_flight import within
 
 log = logging.getLogger(__name__)
 
 STUCK_S = 0.5
 """A write that has not returned in this long is given up on: a store answers in milliseconds."""
+
+CONNECT_S = 2.0
+"""How long the opening of a fresh connection is waited for."""
 
 
 class Speaker:
@@ -68,8 +74,9 @@ class Speaker:
     def _replace(self, writer: int) -> None:
         """Opens a fresh connection for writer ``writer``."""
         try:
-            store = self._fresh()
-        except RuntimeError as e:  # DistStoreError, DistNetworkError: the store is still away
+            store = within(self._fresh, CONNECT_S, "membership-speaker-open")
+        except (RuntimeError, TimeoutError) as e:  # DistStoreError, DistNetworkError, or no
+            # answer: the store is still away
             log.debug("no fresh connection for the node's record: %s", first_line(e))
             store = None
         with self._cond:
