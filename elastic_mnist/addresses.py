@@ -96,6 +96,18 @@ def advice(host_name: str, addresses: Sequence[str], ifname: str | None, spans_m
 # --- this host -----------------------------------------------------------------------------------
 
 
+def this_machine() -> str | None:
+    """This host, told apart from the others where their host names are not: the kernel's boot
+    id and the network namespace's (hosts of their own on one kernel, scripts/hosts.py, differ
+    by the second); None where Linux's /proc does not say."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}/{os.stat('/proc/self/ns/net').st_ino}"
+    except OSError:
+        return None
+
+
 def spans_machines(env: DistEnv) -> bool:
     """Whether the job's nodes may run on other machines than this one: a multi-node
     rendezvous whose store is not on a loopback name, or, where none can be read (another

@@ -15,6 +15,12 @@ workers were stopped before this attempt's rendezvous), or, if the port was take
 that does not know the nonce: either way the rank reads the entry again until this attempt's rank
 0 has replaced it. Nothing depends on restart counts.
 
+Two nodes may go by one host name (a cloned image, a cluster that names every node alike): the
+other one then resolves the name that rank 0 published to itself, where nothing listens. So rank
+0 publishes beside its name the machine it is (``this_machine``) and an address its store listens
+on, and a rank on another machine whose resolver gives that name an address of its own connects
+to the address instead, saying so once in one line.
+
 Without the shared store (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``, as jobs/*.sh set) torchrun
 gives every round a fresh address for a store of rank 0's (``MASTER_ADDR:MASTER_PORT``), and rank
 0 serves it there, as torch's ``env://`` would, but listening only on the address that
@@ -32,14 +38,22 @@ import time
 
 from torch.distributed import TCPStore
 
+from elastic_mnist.addresses import (
+    bindable_addresses,
+    is_loopback,
+    source_toward,
+    store_endpoint,
+    this_machine,
+)
 from elastic_mnist.env import OUR_BACKEND, DistEnv
 from elastic_mnist.errors import EnvError
-from elastic_mnist.stores import listening, serve_store
+from elastic_mnist.stores import listen_address, listening, serve_store
 
 log = logging.getLogger(__name__)
 
 ENTRY = "elastic_mnist/attempt_store"
-"""Key in the agent's store of the current attempt's store: {"host", "port", "nonce"}."""
+"""Key in the agent's store of the current attempt's store: {"host", "port", "nonce",
+"machine", "address"}."""
 NONCE = "nonce"
 PROBE_TIMEOUT = datetime.timedelta(seconds=2)
 """How long a rank tries an advertised store before it reads the entry again."""
@@ -87,8 +101,40 @@ def serve(agent: TCPStore, env: DistEnv, timeout: datetime.timedelta) -> TCPStor
                         world_size=env.world_size)
     nonce = secrets.token_hex(16)
     store.set(NONCE, nonce)
-    agent.set(ENTRY, json.dumps({"host": host, "port": store.port, "nonce": nonce}))
+    agent.set(ENTRY, json.dumps({"host": host, "port": store.port, "nonce": nonce,
+                                 "machine": this_machine(), "address": address_of(host, env)}))
     return store
+
+
+def address_of(host: str, env: DistEnv) -> str | None:
+    """An address of this machine's that the store served for ``host`` listens on, as ranks on
+    other machines reach it: where it listens on ``host``'s address, that one; where on every
+    interface, the one this machine reaches the rendezvous from (None: loopback only)."""
+    _, address = listen_address(host, peers_local=all_local(env))
+    if address:
+        return None if is_loopback(address) else address
+    endpoint = store_endpoint(env)
+    return None if endpoint is None else source_toward(*endpoint)
+
+
+def _reachable(entry: dict) -> str:
+    """Where a rank connects to the store of ``entry``: its host name, or its address where
+    the name resolves to this machine but rank 0 runs on another (two nodes, one name)."""
+    host, address = entry["host"], entry.get("address")
+    if address and entry.get("machine") != this_machine() and bindable_addresses(host):
+        global _SAID_SHARED
+        if not _SAID_SHARED:
+            _SAID_SHARED = True
+            log.warning("rank 0 published its group's store by the host name %r, which "
+                        "resolves to this machine too (two nodes go by one name): reaching it "
+                        "at %s, its address, instead; give each node its own host name", host,
+                        address)
+        return address
+    return host
+
+
+_SAID_SHARED = False
+"""Whether this process said that rank 0's host name resolves here (once is enough)."""
 
 
 def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
@@ -96,13 +142,13 @@ def find(agent: TCPStore, timeout: datetime.timedelta) -> TCPStore:
     deadline = time.monotonic() + timeout.total_seconds()
     while time.monotonic() < deadline:
         entry = json.loads(agent.get(ENTRY))  # waits until some attempt has published one
+        host = _reachable(entry)
         # A dead attempt's entry: c10d would log the refused connection.
-        if not listening(entry["host"], entry["port"], PROBE_TIMEOUT.total_seconds()):
+        if not listening(host, entry["port"], PROBE_TIMEOUT.total_seconds()):
             time.sleep(0.05)
             continue
         try:
-            store = TCPStore(entry["host"], entry["port"], is_master=False,
-                             timeout=PROBE_TIMEOUT)
+            store = TCPStore(host, entry["port"], is_master=False, timeout=PROBE_TIMEOUT)
             if store.get(NONCE).decode() == entry["nonce"]:
                 store.set_timeout(timeout)
                 return store

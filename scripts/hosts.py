@@ -351,12 +351,12 @@ class Network:
 
     # -- running in a host --
 
-    def command(self, host: str, argv: Sequence[str]) -> list[str]:
+    def command(self, host: str, argv: Sequence[str], name: str | None = None) -> list[str]:
         """``argv`` as it runs in ``host``: in its network namespace (its /etc/hosts), under
-        its own host name. Each of ip, unshare and sh execs the next: the command's pid is the
-        Popen's."""
+        its own host name (``name``: another). Each of ip, unshare and sh execs the next: the
+        command's pid is the Popen's."""
         return ["ip", "netns", "exec", self.hosts[host].netns, "unshare", "--uts", "sh", "-c",
-                'hostname "$0" && exec "$@"', host, *argv]
+                'hostname "$0" && exec "$@"', name or host, *argv]
 
     def pids(self, host: str) -> list[int]:
         """Every process running in ``host``."""

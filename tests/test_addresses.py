@@ -145,3 +145,62 @@ def test_on_a_host_whose_name_resolves_to_127_0_1_1_the_line_names_its_interface
         assert f"(this host: ctl {ctl}, toward the rendezvous store; data {data})" in said
         assert stderr.strip() == said  # one line, said once
         assert check(net.hosts_file())[0] == [None, None]
+
+
+SERVE = """
+import datetime, json, sys, time
+from torch.distributed import TCPStore
+from elastic_mnist import attempt_store
+from elastic_mnist.env import DistEnv, Rendezvous
+rank = int(sys.argv[1])
+env = DistEnv(rank=rank, world_size=2, group_world_size=2, launched=True, master_addr="store",
+              master_port=29400, rendezvous=Rendezvous("store", 29400, "job"))
+timeout = datetime.timedelta(seconds=20)
+if rank == 0:
+    agent = TCPStore("store", 29400, is_master=True, wait_for_workers=False, timeout=timeout)
+    store = attempt_store.serve(agent, env, timeout)
+    agent.wait(["found"])
+    print(json.dumps(json.loads(agent.get(attempt_store.ENTRY))))
+else:
+    agent = TCPStore("store", 29400, is_master=False, timeout=timeout)
+    store = attempt_store.find(agent, datetime.timedelta(seconds=8))
+    print(json.dumps(store.get(attempt_store.NONCE).decode()))
+    agent.set("found", "1")
+"""
+
+
+@pytest.mark.skipif(hosts.unavailable() is not None,
+                    reason=f"hosts of their own: {hosts.unavailable()}")
+def test_two_nodes_that_go_by_one_host_name_still_meet_and_one_line_says_so():
+    """node0 and node1 both go by the host name node0, and each resolves it to its own
+    address (a cloned image). Rank 0 on node0 publishes its group's store by that name; rank 1
+    on node1 would resolve it to itself, where nothing listens (before: ``rank 0 published no
+    live store within N s``): it reaches rank 0's published address instead, and says so in
+    one line. The agent store here is served where the store's host name resolves (the
+    rendezvous's own host, for the test)."""
+    with hosts.Network({"node0": ("control",), "node1": ("control",)}) as net:
+        a0, a1 = (net.hosts[n].address() for n in ("node0", "node1"))
+        (hosts.ETC_NETNS / net.hosts["node0"].netns / "hosts").write_text(
+            f"127.0.0.1\tlocalhost\n{a0}\tnode0 store\n")
+        (hosts.ETC_NETNS / net.hosts["node1"].netns / "hosts").write_text(
+            f"127.0.0.1\tlocalhost\n{a1}\tnode0\n{a0}\tstore\n")
+        runs = [subprocess.Popen(net.command(host, [sys.executable, "-c", SERVE, rank],
+                                             name="node0"),
+                                 cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                 text=True)
+                for host, rank in (("node0", "0"), ("node1", "1"))]
+        try:
+            (entry, err0), (nonce, err1) = (run.communicate(timeout=60) for run in runs)
+        finally:
+            for run in runs:
+                run.kill()
+        assert [run.returncode for run in runs] == [0, 0], (err0, err1)
+        entry = json.loads(entry)
+        assert entry["host"] == "node0" and entry["address"] == a0
+        assert json.loads(nonce) == entry["nonce"]
+        said = [line for line in err1.splitlines() if "node0" in line]
+        assert len(said) == 1 and said[0].endswith(
+            f"rank 0 published its group's store by the host name 'node0', which resolves to "
+            f"this machine too (two nodes go by one name): reaching it at {a0}, its address, "
+            f"instead; give each node its own host name"), err1
+        assert "node0" not in err0
