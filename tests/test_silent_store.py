@@ -255,6 +255,8 @@ def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypat
         relay.cut()
         took, _ = waited(lambda: member.declare("hung", [1]), 0.2)
         assert took is None  # held by the store
+        assert member._declaring.acquire(timeout=0.1)  # and no lock with it: a move to the
+        member._declaring.release()  # next generation is not held by the store
         deadline = time.monotonic() + 3
         while not left:
             assert time.monotonic() < deadline

@@ -23,17 +23,14 @@ A node that joins enters the same way, at a step boundary: rank 0 decides to adm
 (admissions.py), the step's flags say so, and every rank moves with the joiners to the next
 generation (:meth:`Membership.grow`; a joiner's side is :meth:`Membership.enter`).
 
-A recovery opens no connection to the coordination store (connections.py). A store that stalls
-lapses the agents' keep-alives: the workers renew them, and watch the rendezvous round for an
-agent dropped all the same (torchrun_agents.py). The job's current generation is named for the
-fence, which tells a process that the survivors went on without it (current.py).
+A recovery opens no connection to the coordination store (connections.py). Under torch's c10d
+rendezvous the workers renew their agents' keep-alives and watch the round (torchrun_agents.py).
+The job's current generation is named for the fence (current.py).
 
-The coordination store is the rendezvous store torchrun's agents meet at (its endpoint is on
-the agent's command line): it outlives any node but its own host, and every node when it is
-served by ``elastic-mnist rendezvous``. Losing the node that serves it ends the job anyway, since
-the agents themselves can no longer meet. Each launch has a nonce of its own under the run id,
-and each generation a prefix of its own under it, so nothing of an earlier group is read by a
-later one (torchft's per-quorum stores; NVIDIA resiliency-ext's per-iteration prefixes).
+The coordination store is the rendezvous store torchrun's agents meet at: it outlives any node
+but its own host (every node, served by ``elastic-mnist rendezvous``). Each launch has a nonce
+of its own under the run id, and each generation a prefix of its own under it, so nothing of an
+earlier group is read by a later one (torchft's per-quorum stores).
 """
 from __future__ import annotations
 
@@ -349,7 +346,7 @@ class Membership(NullMembership):
         ``generation``: the one the verdict was made in (the watchdog's, which names ranks of
         its own generation); a verdict on a generation that is over is dropped (None)."""
         store = self.connections.declare
-        with self._declaring:
+        with self._declaring:  # across no store call: a silent one holds no generation's move
             env, current = self.env, self.generation  # keys of one generation, read once
             if generation is not None and generation != current:
                 log.info("a verdict on generation %d dropped (%s %s): the group is at %d now",
@@ -360,11 +357,14 @@ class Membership(NullMembership):
                 # Woken by the generation's one fault (or declared already), which woke every
                 # rank: nothing to say (a compare_set by every rank was W operations at once).
                 return known
-            # One that found the fault itself, or a watcher, wakes every rank (declare_fault),
-            # within the change's bound, which runs from here (deadline.py).
             fault = json.dumps(asdict(Fault(why, sorted(suspects), env.rank, detail, time.time())))
-            agreed = self.recovery.deadline.during(
-                lambda: declare_fault(store, self.key("", current), env.world_size, fault))
+            self.recovery.deadline.arm()  # the change's bound, from here: before a move ends it
+        # One that found the fault itself, or a watcher, wakes every rank (declare_fault).
+        agreed = declare_fault(store, self.key("", current), env.world_size, fault)
+        if self.generation != current:  # moved on as it was declared: dropped
+            log.info("a verdict on generation %d dropped (%s %s): the group moved on to %d",
+                     current, why, suspects, self.generation)
+            return None
         return Fault(**json.loads(agreed))
 
     def identities(self, store: dist.Store | None = None, generation: int | None = None,
