@@ -33,18 +33,15 @@ exits with EXIT_HUNG, the others follow as their collectives fail, and the agent
 from the last checkpoint. A verdict is first put to the writers' fence: a process the job no longer
 holds (a frozen rank woken after the survivors went on without it, whose peers' heartbeats stopped
 or whose store went) declares nothing, and leaves with the fence's line and status (EXIT_DROPPED).
-The first step (compiling, loading) and data preparation come before the watchdog is armed; a
-rank's own share of an evaluation, its checkpoint save and its logging are "busy", so that peers
-waiting for it in a collective wait on. A collective itself is never busy: a rank hung during an
-evaluation is found as during a step.
+The first step and data preparation come before the watchdog is armed; a rank's evaluation,
+save and logging are "busy" (its peers wait on), a collective never.
 
 A peer whose process or links went silent is named sooner, by its pulse: the probers also watch the
 generation's pulses, and name one that stopped while they wait for it (silence.py); and a node cut
 off from its peers, by what the nodes found as they tried each other (reach.py).
 
 Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
-the backend: gloo blocks inside the collective, NCCL returns at once and blocks at the next host
-sync, and both are the same wait to the watchdog.
+the backend (gloo blocks in the collective, NCCL at the next host sync).
 """
 
 from __future__ import annotations
@@ -84,8 +81,7 @@ STEPS_PER_DEADLINE = 10
 RECENT_STEPS = 100
 PROBE_BEATS = 2
 """Beats between the probe's two reads of the heartbeats: a live rank's beat moves in them."""
-STORE_TIMEOUT = timedelta(seconds=2)
-PREFIX = "elastic_mnist/watchdog/"
+STORE_TIMEOUT, PREFIX = timedelta(seconds=2), "elastic_mnist/watchdog/"
 DECLARED = PREFIX + "hang"
 
 
@@ -435,8 +431,12 @@ class Watchdog(NullWatchdog):
         self._declare(Verdict(ranks, [], reason, {}))
 
     def _declare(self, verdict: Verdict) -> None:
-        with self._declaring:  # the first verdict closes the watchdog; the other is dropped
-            self._declare_once(verdict)
+        if self._declaring.acquire(blocking=False):  # the first closes the watchdog: a second
+            # reached meanwhile is dropped, not held behind the first's store calls
+            try:
+                self._declare_once(verdict)
+            finally:
+                self._declaring.release()
 
     def _declare_once(self, verdict: Verdict) -> None:
         # Closed meanwhile (the training thread, woken by a peer's declaration, recovers while
