@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 import warnings
 from collections.abc import Callable
 
@@ -34,14 +35,18 @@ log = logging.getLogger(__name__)
 
 class GradCheck:
     """The DDP hook's state: whether this rank's own gradients (before the sum) are finite, the
-    membership whose guard the sum is waited on through, and on a GPU an event recorded where
-    this rank's own work of the step ends and the sum begins."""
+    membership whose guard the sum is waited on through, and where this rank's own work of the
+    step ends and the sum begins: on a GPU an event recorded there (timed from ``started``, one
+    recorded as the step's own work begins), on the CPU the time (``time.perf_counter()``)."""
 
     def __init__(self, device: torch.device, membership: NullMembership):
         self.group = None  # the default process group
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=device)
         self.membership = membership
-        self.computed = torch.cuda.Event() if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self.started = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.computed = torch.cuda.Event(enable_timing=True) if cuda else None
+        self.computed_at: float | None = None
 
 
 def sum_allreduce_hook(state, bucket):
@@ -57,6 +62,7 @@ def sum_allreduce_hook(state, bucket):
     state.nonfinite |= ~torch.isfinite(bucket.buffer()).all()
     if state.computed is not None:
         state.computed.record()  # the step's own kernels are queued before it: see own_work_done
+    state.computed_at = time.perf_counter()  # on the CPU, the step's own work ends here
     require_group()
     if dist.get_world_size(state.group) == 1:
         done = torch.futures.Future()
@@ -161,10 +167,14 @@ class Engine:
         return last_micro_batch and self.ddp is not None
 
     def begin_step(self, comm: Comm) -> None:
-        """Before a step's first pass: DDP's buckets regrouped if due, no non-finite noted."""
+        """Before a step's first pass: DDP's buckets regrouped if due, no non-finite noted, and
+        this rank's own work of the step begins (:meth:`own_work_done` times it)."""
         if not self.buckets_rebuilt:
             self.rebuild_buckets(comm)
         self.grad_check.nonfinite.zero_()
+        self.work_began, self.grad_check.computed_at = time.perf_counter(), None
+        if self.grad_check.started is not None:
+            self.grad_check.started.record()
 
     def rebuild_buckets(self, comm: Comm) -> None:
         """DDP regroups its buckets once, in the order its first backward made the gradients
@@ -187,18 +197,25 @@ class Engine:
             # torch private: tells DDP's forward the regrouping is done (not to do it again)
             self.buckets_rebuilt = ddp._has_rebuilt_buckets = True
 
-    def own_work_done(self) -> None:
+    def own_work_done(self) -> float:
         """On a GPU, waits for this rank's own kernels of the step before the waits for its peers
         (marked by the watchdog): a device that never finishes its own share blocks here,
         unmarked, and is named, not taken for one waiting. Under DDP the sum was launched in the
         backward already, after an event the hook recorded: only the work before it is waited
-        for. Else nothing of the peers is queued yet."""
+        for. Else nothing of the peers is queued yet.
+
+        Returns the seconds of this rank's own work of the step, without its wait for the
+        peers (pace.py): from :meth:`begin_step` to the hook (under DDP, whose sum waits inside
+        the backward), else to now; on a GPU between its events (no further sync)."""
+        check = self.grad_check
         if self.device.type != "cuda" or self.env.world_size == 1:
-            return
-        if self.ddp is not None:
-            self.grad_check.computed.synchronize()
-        else:
+            return (check.computed_at or time.perf_counter()) - self.work_began
+        if self.ddp is None:
+            check.computed.record()
             torch.cuda.synchronize(self.device)
+        else:
+            check.computed.synchronize()  # the step's own kernels, up to the sum
+        return check.started.elapsed_time(check.computed) / 1e3
 
     def nonfinite_gradients(self, comm: Comm) -> torch.Tensor:
         """Whether this rank's own gradients hold NaN or infinity, then the gradients summed:

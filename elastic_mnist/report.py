@@ -23,6 +23,7 @@ from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset, Digits
 from elastic_mnist.data.order import SampleOrder
 from elastic_mnist.env import DistEnv
+from elastic_mnist.pace import pace_scalars
 from elastic_mnist.render import prediction_grid
 from elastic_mnist.state import Progress
 
@@ -88,6 +89,7 @@ class _Window:
             "samples_per_s": samples / elapsed,
             "step_ms": 1e3 * elapsed / len(self.results),
             "data_wait_pct": 100 * sum(r.data_wait_s for r in self.results) / elapsed,
+            **pace_scalars(self.results),  # pace/*: the ranks' own compute times (pace.py)
         }
         self.results, self.start = [], time.perf_counter()
         return summary
@@ -153,6 +155,7 @@ class Report:
             "elastic/world_size": self.env.world_size,
             "elastic/restart_generation": self.generation,
             "train/nonfinite_steps": p.nonfinite_steps, "train/epoch": p.epoch_number(),
+            **{tag: value for tag, value in window.items() if tag.startswith("pace/")},
         })
         log.info("epoch %s step %d/%d loss %.4f acc %.2f%% lr %.2e %.0f samples/s",
                  self.epoch_label(), p.step, self.total_steps, window["loss"],

@@ -1,5 +1,6 @@
 """What one step of the loop tells what follows it: the step's agreed loss and accuracy, and what
-every rank learned in its one collective (a stop, the skipped, the leavers, an admission).
+every rank learned in its one collective (a stop, the skipped, the leavers, an admission,
+every rank's own compute time).
 
 A room of its own, below both the loop that makes it (trainer.py) and the report that reads it
 (report.py).
@@ -29,3 +30,5 @@ class StepResult:
     admit: bool = False
     """Rank 0 decided to admit joining nodes: every rank moves to their generation after this
     step."""
+    compute_s: list[float] = field(default_factory=list)
+    """Every rank's own compute seconds of the step, without its wait for the others (pace.py)."""

@@ -40,6 +40,7 @@ from elastic_mnist.errors import (
     first_line,
 )
 from elastic_mnist.fast_path import adamw_kernels
+from elastic_mnist.pace import Pace
 from elastic_mnist.regroup import Regroup
 from elastic_mnist.report import Report
 from elastic_mnist.resilience.agreement import Change
@@ -86,7 +87,7 @@ class StepFlags:
         joining nodes, the ranks asking to stop, the ranks whose values were not finite) from
         the summed flags."""
         head, size = self.HEAD, self.world_size
-        stops, nonfinite = summed[head:head + size], summed[head + size:]
+        stops, nonfinite = summed[head:head + size], summed[head + size:head + 2 * size]
         return (summed[0] > 0, summed[1] > 0, summed[2] > 0,
                 [r for r, v in enumerate(stops) if v > 0],
                 [r for r, v in enumerate(nonfinite) if v > 0])
@@ -145,6 +146,7 @@ class Trainer:
         self.report = Report(cfg, self.progress, self.order, self.total_steps, self.model,
                              self.optimizer, dataset, self.test_data, device)
         self.shares_said_for = 0
+        self.pace = Pace(device)
         self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
                                device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
@@ -164,6 +166,7 @@ class Trainer:
         self.flags = StepFlags(self.env.rank, self.env.world_size, self.device)
         self.comm = Comm(self.env, self.membership, self.writers.watchdog)
         self.report.enter(self.env, self.restart_generation, self.writers, self.comm)
+        self.pace.enter(self.env, self.writers, self.membership)
         self.say_shares()
 
     def say_shares(self) -> None:
@@ -296,6 +299,7 @@ class Trainer:
         # rank); a collective inside the evaluation is waiting, like a step's.
         with self.comm.busy("logging"):
             self.count_nonfinite(result)
+            self.pace.observe(self.progress.step, result)
             self.report.step(result, epoch_ended, changed)
         if epoch_ended or self.done():
             self.report.evaluation()
@@ -357,21 +361,22 @@ class Trainer:
                 loss_sum += loss.detach().double()
                 correct += (logits.detach().argmax(1) == labels).sum()
         nonfinite = ~torch.isfinite(loss_sum)
-        engine.own_work_done()
+        compute_s = engine.own_work_done()  # this rank's own work, without its wait: pace.py
         nonfinite |= engine.nonfinite_gradients(self.comm)
 
         # Recorded before the step's last collective: once any rank has finished the step (and
         # may checkpoint it), every rank's record is written, even if its node dies right after.
         w.audit.record(step, self.progress.epoch, self.env.rank, self.env.world_size, audited)
-        # One collective for the step: loss, accuracy, the flags of every rank, the BatchNorm
-        # statistics; its head read back to the host once (the step's one sync), a wait for the
+        # One collective for the step: loss, accuracy, the flags and own compute seconds of every
+        # rank, the BatchNorm statistics; its head read back to the host once (the step's one sync), a wait for the
         # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=w.checkpointer.failed,
                                  leave_vote=self.regroup.leave_vote(), stop=stop_requested,
                                  nonfinite=nonfinite, admit=self.membership.admission_due())
-        packed = torch.cat([loss_sum.view(1), correct.view(1), flags,
+        times = self.pace.write(compute_s)
+        packed = torch.cat([loss_sum.view(1), correct.view(1), flags, times,
                             self.bn_stats.local_sums(self.device)])
-        head = 2 + flags.numel()
+        head = 2 + flags.numel() + times.numel()
         with self.comm.waiting():
             loss_total, correct_total, *summed = self.comm.all_reduce_(packed)[:head].tolist()
         checkpoint_failed, leave_voted, admit, stopping, nonfinite_ranks = \
@@ -392,7 +397,7 @@ class Trainer:
                           samples=len(batch), stop_requested=everyone_stops,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
                           nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed,
-                          leavers=leavers, admit=admit)
+                          leavers=leavers, admit=admit, compute_s=summed[flags.numel():])
 
     def advance(self, samples: int) -> bool:
         """Moves the cursor past a completed step; True if that step ended the epoch."""
