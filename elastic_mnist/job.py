@@ -79,6 +79,9 @@ DASHBOARD = {  # TensorBoard's custom scalars tab: {category: {chart: its tags}}
     "throughput": {"samples/s": ["perf/samples_per_s"], "step ms": ["perf/step_ms"],
                    "data wait %": ["perf/data_wait_pct"]},
     "checkpoints": {"save ms (blocking)": ["ckpt/save_ms"], "bytes": ["ckpt/bytes"]},
+    "pace": {"compute s (slowest, median rank)": ["pace/slowest_compute_s",
+                                                  "pace/median_compute_s"],
+             "share waiting for the slowest": ["pace/wait_share"]},
 }
 
 

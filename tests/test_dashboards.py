@@ -25,7 +25,7 @@ from elastic_mnist.job import DASHBOARD, is_generated_id
 TAGS = {"train/loss", "train/accuracy", "test/loss", "test/accuracy", "opt/lr",
         "perf/samples_per_s", "perf/step_ms", "perf/data_wait_pct", "elastic/world_size",
         "elastic/restart_generation", "ckpt/save_ms", "ckpt/bytes", "train/nonfinite_steps",
-        "train/epoch"}
+        "train/epoch", "pace/slowest_compute_s", "pace/median_compute_s", "pace/wait_share"}
 RESIZED_RESTARTS = ["g1, world 2\u21921", "g2, world 1\u21922"]
 """The plot's labels of resized_run's two restarts: generation, world size before and after."""
 
@@ -134,7 +134,7 @@ def test_tensorboard_opens_the_custom_scalars_layout_once_after_restarts(resized
                                   for chart in category["chart"]}
               for category in layout["category"]}
     assert [c["title"] for c in layout["category"]] == ["loss", "accuracy", "elastic",
-                                                         "throughput", "checkpoints"]
+                                                         "throughput", "checkpoints", "pace"]
     assert served == DASHBOARD
     charted = [tag for charts in served.values() for tags in charts.values() for tag in tags]
     # Each once, the learning rate and the epoch (a step's label, not a curve) aside.
