@@ -24,6 +24,8 @@ import socket
 
 from torch.distributed import TCPStore
 
+from elastic_mnist.backoff import cap
+
 EVERY_INTERFACE = ("", "*", "0.0.0.0", "::")
 """Host names that ask for every interface."""
 
@@ -66,6 +68,7 @@ def listening_socket(host: str, port: int, *, peers_local: bool) -> socket.socke
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as torch's own server does
+        cap(sock)  # passed on to every connection it accepts (backoff.py)
         if family == socket.AF_INET6 and not address:
             sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)  # IPv4 too
         sock.bind((address, port))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
+from elastic_mnist.backoff import cap_connections
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.in_flight import within
 from elastic_mnist.resilience.roster import Roster
@@ -49,6 +50,7 @@ class KeepAlive:
     def _run(self) -> None:
         roster, failing = None, False
         while not self.stopped.wait(self.interval_s):
+            cap_connections()  # the agent's, opened since (backoff.py)
             try:
                 if roster is None:
                     roster = Roster(within(self.connect, CONNECT_S, "rdzv-connect"), self.run_id)
