@@ -13,6 +13,7 @@ replaced or disarmed does nothing.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -28,6 +29,8 @@ class Deadline:
         self.seconds, self.expire = seconds, expire
         self.timer: threading.Timer | None = None
         """The armed timer; None while no change is under way."""
+        self.armed_at = 0.0
+        """When the bound of the change under way (or the last) started (monotonic)."""
         self._lock = threading.Lock()
         self._closed = False
 
@@ -36,10 +39,23 @@ class Deadline:
         with self._lock:
             if self.timer is not None or self._closed:
                 return False
-            self.timer = threading.Timer(self.seconds(), self._fire)
-            self.timer.daemon = True
-            self.timer.start()
+            self.armed_at = time.monotonic()
+            self._start(self.seconds())
             return True
+
+    def extend(self, seconds: float) -> bool:
+        """From the timer's thread at the bound: ``seconds`` more (store_wait.py); False where
+        the bound was disarmed or replaced meanwhile."""
+        with self._lock:
+            if threading.current_thread() is not self.timer or self._closed:
+                return False
+            self._start(seconds)
+            return True
+
+    def _start(self, seconds: float) -> None:
+        self.timer = threading.Timer(seconds, self._fire)
+        self.timer.daemon = True
+        self.timer.start()
 
     def disarm(self) -> None:
         """Stops the bound: the change is over (or the job, or the declaration that began it)."""

@@ -1,5 +1,6 @@
 """What each rank's watchdog publishes once a beat (watchdog.py): who and where it is, and where
-its training thread stands."""
+its training thread stands; who reads them, and what a read that the store does not answer
+raises."""
 
 from __future__ import annotations
 
@@ -52,3 +53,16 @@ class Verdict:
     """Ranks whose heartbeat stopped: not running at all."""
     reason: str
     heartbeats: dict[int, Heartbeat]
+
+
+class StoreSilent(Exception):
+    """The store did not answer in time: its host (rank 0) is stopped or gone."""
+
+
+class WatchdogClosed(StoreSilent):
+    """Closed (its generation over) before a store call began: a verdict meanwhile is dropped."""
+
+
+def probers(world_size: int) -> list[int]:
+    """The ranks that read the heartbeats: the first and the last, on two nodes where it has two."""
+    return sorted({0, world_size - 1})

@@ -18,10 +18,9 @@ build their new group, round after round, within a bound.
    cannot be built across (reach.py), is declared in the new generation, and the survivors begin
    the next round at once, from the same agreed state, the lost of every round in one change.
 
-If no step completes within ``bound_s`` of the fault's declaration, this rank falls back: it leaves
-(EXIT_GAVE_UP), and torchrun restarts the job from its last checkpoint. A rank the survivors went
-on without (frozen as they closed their membership, and woken) does not fall back: it is dropped
-(:class:`Dropped`, EXIT_DROPPED), as its fence would say it.
+If no step completes within ``bound_s`` of the fault's declaration (longer where the store is
+away: store_wait.py), this rank leaves (EXIT_GAVE_UP) and torchrun restarts the job from its last
+checkpoint; one the survivors went on without (frozen, and woken) leaves as dropped (EXIT_DROPPED).
 """
 from __future__ import annotations
 
@@ -74,6 +73,7 @@ from elastic_mnist.resilience.findings import Survey, survey
 from elastic_mnist.resilience.reach import node_listener
 from elastic_mnist.resilience.read_once import ReadOnce
 from elastic_mnist.resilience.silence import kill_stopped_siblings
+from elastic_mnist.resilience.store_wait import StoreWait
 from elastic_mnist.resilience.survivors_group import connect_group, install_group
 
 log = logging.getLogger(__name__)
@@ -103,7 +103,8 @@ class Recovery:
         self._announced_in = ""
         """The prefix of the change's first generation: where the nodes said where they listen."""
         self.deadline = Deadline(lambda: member.bound_s, self._give_up)
-        """The change's bound (deadline.py)."""
+        """The change's bound (deadline.py), longer where the store is away (store_wait.py)."""
+        self.store_wait = StoreWait(lambda: member.store.clone().check(["probe"]))
         self._refilling: threading.Thread | None = None
         """Opens the spare connections a change took, once it is over."""
 
@@ -457,6 +458,8 @@ class Recovery:
         """At the bound, in the timer's thread: one woken after the survivors went on without
         this rank (it was frozen in the recovery) says so, and leaves as dropped; else it falls
         back. The question is bounded: a store that does not answer delays no give-up."""
+        if self.store_wait.extends(self.deadline):  # it waits on for a store away
+            return
         asked: list[Dropped | None] = []
         question = threading.Thread(target=lambda: asked.append(self._left_behind()),
                                     daemon=True, name="membership-dropped")
@@ -470,7 +473,8 @@ class Recovery:
             log.error("%s", asked[0])
             end_process(EXIT_DROPPED)
             return
-        self.fall_back(f"no step completed within {self.member.bound_s:.0f} s of the fault"
+        self.fall_back(f"no step completed within {self.store_wait.said(self.member.bound_s)} "
+                       "of the fault"
                        + (f" (the last round failed {self.failure})" if self.failure else ""))
         end_process(EXIT_GAVE_UP)
 

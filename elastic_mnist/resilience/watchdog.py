@@ -36,12 +36,10 @@ or whose store went) declares nothing, and leaves with the fence's line and stat
 The first step and data preparation come before the watchdog is armed; a rank's evaluation,
 save and logging are "busy" (its peers wait on), a collective never.
 
-A peer whose process or links went silent is named sooner, by its pulse: the probers also watch the
-generation's pulses, and name one that stopped while they wait for it (silence.py); and a node cut
-off from its peers, by what the nodes found as they tried each other (reach.py).
+A peer whose process or links went silent is named sooner, by its pulse (silence.py), and a node
+cut off from its peers by what the nodes found as they tried each other (reach.py).
 
-Where a rank waits for its peers is marked by the loop itself (:meth:`Watchdog.waiting`), whatever
-the backend (gloo blocks in the collective, NCCL at the next host sync).
+Where a rank waits for its peers is marked by the loop itself, whatever the backend (waiting()).
 """
 
 from __future__ import annotations
@@ -63,15 +61,24 @@ from typing import Any
 
 from torch.distributed import Store
 
+from elastic_mnist.backoff import cap_connections
 from elastic_mnist.distributed import end_process
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_HUNG, CannotTell
 from elastic_mnist.resilience.agreement import read_present
 from elastic_mnist.resilience.fence import NO_FENCE, FenceClosed, NullFence
 from elastic_mnist.resilience.findings import Cuts
-from elastic_mnist.resilience.heartbeat import Heartbeat, Verdict, training_thread_position
+from elastic_mnist.resilience.heartbeat import (
+    Heartbeat,
+    StoreSilent,
+    Verdict,
+    WatchdogClosed,
+    probers,
+    training_thread_position,
+)
 from elastic_mnist.resilience.reach import NO_REACH, cut_off_ranks, reach_for
 from elastic_mnist.resilience.silence import SilenceWatch, stall_after
+from elastic_mnist.resilience.store_wait import STORE_WAIT_S
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +90,6 @@ PROBE_BEATS = 2
 """Beats between the probe's two reads of the heartbeats: a live rank's beat moves in them."""
 STORE_TIMEOUT, PREFIX = timedelta(seconds=2), "elastic_mnist/watchdog/"
 DECLARED = PREFIX + "hang"
-
-
-class StoreSilent(Exception):
-    """The store did not answer in time: its host (rank 0) is stopped or gone."""
-
-
-class WatchdogClosed(StoreSilent):
-    """Closed (its generation over) before a store call began: a verdict meanwhile is dropped."""
-
-
-def probers(world_size: int) -> list[int]:
-    """The ranks that read the heartbeats: the first and the last, on two nodes where it has two."""
-    return sorted({0, world_size - 1})
 
 
 class NullWatchdog:
@@ -158,8 +152,9 @@ class Watchdog(NullWatchdog):
         self.last_progress = time.monotonic()
         self.beats = 0
         self.prober = env.rank in probers(env.world_size)
-        self.silent_looks = 0
-        """This rank's looks in a row that the store did not answer."""
+        self.silent_looks, self.away_since = 0, None
+        """This rank's looks in a row that the store did not answer; since when its probe has
+        found the store away (None: it answered)."""
         self.prober_beats: dict[int, int] | None = None
         """The probers' beats at this rank's last look for their verdict."""
         self.identity = {"host": platform.node(), "pid": os.getpid(), "ppid": os.getppid()}
@@ -279,6 +274,7 @@ class Watchdog(NullWatchdog):
 
     def _run(self) -> None:
         while not self._stop.wait(self.beat_s):
+            cap_connections()  # the connections opened since: heard within 1 s of a heal
             self._publish()
             if not self._probe_due():
                 continue
@@ -393,9 +389,12 @@ class Watchdog(NullWatchdog):
                 me = self.env.rank
                 return Verdict([me], [], f"alive, not in a collective: rank {me} at "
                                f"{training_thread_position(self.training_thread)}; {silent}", {})
-            if self.store_host is None:
-                return Verdict([], [], silent, {})
+            if self.store_host is None:  # its return wakes this rank (store_wait.py)
+                self.away_since = self.away_since or time.monotonic()
+                away = time.monotonic() - self.away_since < STORE_WAIT_S  # unless it went on
+                return None if away and not self._fenced() else Verdict([], [], silent, {})
             return Verdict([self.store_host], [self.store_host], silent, {})
+        self.away_since = None
         ranks = range(self.env.world_size)
         silent = [r for r in ranks if r not in first or r not in second
                   or second[r].beat == first[r].beat]
