@@ -114,7 +114,8 @@ def address_of(host: str, env: DistEnv) -> str | None:
     if address:
         return None if is_loopback(address) else address
     endpoint = store_endpoint(env)
-    return None if endpoint is None else source_toward(*endpoint)
+    toward = None if endpoint is None else source_toward(*endpoint)
+    return None if toward is None or is_loopback(toward) else toward
 
 
 def _reachable(entry: dict) -> str:

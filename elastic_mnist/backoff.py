@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import stat
 import threading
 
 log = logging.getLogger(__name__)
@@ -62,6 +61,8 @@ def cap(sock: socket.socket) -> bool:
 
 def cap_connections() -> int:
     """Caps every TCP socket of this process not capped yet (torch's among them); how many."""
+    if socket.getdefaulttimeout() is not None:
+        return 0  # a socket made from a descriptor would turn torch's non-blocking
     try:
         fds = [int(name) for name in os.listdir("/proc/self/fd")]
     except OSError:  # not Linux: nothing to cap
@@ -70,16 +71,17 @@ def cap_connections() -> int:
     with _lock:
         seen = set()
         for fd in fds:
-            try:
-                info = os.fstat(fd)
+            try:  # the link's name only: never a call into a file system (a cut mount's waits)
+                target = os.readlink(f"/proc/self/fd/{fd}")
             except OSError:  # closed meanwhile
                 continue
-            if not stat.S_ISSOCK(info.st_mode):
+            if not target.startswith("socket:["):
                 continue
-            seen.add(info.st_ino)
-            if info.st_ino in _capped:
+            inode = int(target[len("socket:["):-1])
+            seen.add(inode)
+            if inode in _capped:
                 continue
-            _capped.add(info.st_ino)
+            _capped.add(inode)
             count += _cap_fd(fd)
         _capped.intersection_update(seen)  # closed sockets' inodes may come again
     return count

@@ -33,7 +33,7 @@ With ``--hosts netns`` each node is a host of its own (scripts/hosts.py: a netwo
 with its own host name, a control link to the store and a data link to its peers,
 ``GLOO_SOCKET_IFNAME=data``), the store is ``elastic-mnist rendezvous`` on a host of its own on
 the control bridge (``RDZV_ENDPOINT=store:29400``), and the network's faults join the kinds above:
-cut-node, cut-data, cut-control, cut-in, cut-out, flap-node, slow-link and store-outage
+cut-node, cut-data, cut-control, cut-in, cut-out, flap-node, slow-link, store-outage and store-kill
 (scripts/netfaults.py), each lasting its SECONDS (``STEP:KIND:NODE:SECONDS``; NODE may be left
 empty) and then healed. For them chaos reports how the job answered (rode it out, in process, or
 by a restart), whether the healthy nodes' workers are the same processes after it, and whether
@@ -283,16 +283,15 @@ def take_victim(fault: Fault, cluster: Cluster, rng: random.Random) -> bool:
 def strike(fault: Fault, cluster: Cluster, rng: random.Random) -> netfaults.Strike | None:
     """A network fault on its node's host (the store's outage: on the store's), or None when
     no node may be taken. The healthy are every node's workers but its node's."""
-    if netfaults.needs_node(fault.kind):
-        if not take_victim(fault, cluster, rng):
-            return None
-        host = cluster.host_of[fault.node]
-    elif cluster.store != "external":
+    if netfaults.strikes_store(fault.kind) and cluster.store != "external":
         return None
-    else:
-        host = netfaults.STORE_HOST
+    if netfaults.needs_node(fault.kind) and not take_victim(fault, cluster, rng):
+        return None
+    victim = None if fault.node is None else cluster.host_of[fault.node]
+    host = netfaults.STORE_HOST if netfaults.strikes_store(fault.kind) else victim
     fault.survivors = cluster.workers(but=fault.node)
-    hit = netfaults.Strike(cluster.network, fault.kind, host, fault.seconds)
+    hit = netfaults.Strike(cluster.network, fault.kind, host, fault.seconds,
+                           victim=victim if fault.kind == "store-kill" else None)
     hit.start()
     fault.at = hit.at
     return hit
@@ -307,6 +306,8 @@ def watch_network(fault: Fault, hit: netfaults.Strike, observer: Observer,
     while True:
         if hit.healed is not None:
             back = observer.world_size(since=hit.healed)
+            if hit.killed is not None and back is not None:  # store-kill: its node is gone
+                break
             if back is not None and back >= (fault.size_before or 0):
                 fault.came_back = True
                 break
@@ -320,6 +321,7 @@ def watch_network(fault: Fault, hit: netfaults.Strike, observer: Observer,
         time.sleep(0.1)
     hit.heal()
     fault.healed = hit.healed
+    fault.at = hit.killed or fault.at  # store-kill: the kill is the fault judged
     fault.survivors_kept = all(map(is_running, fault.survivors))
     done = sorted(step_times(observer.audit()).values())
     fault.first_step = next((t for t, _ in done if t > fault.at), None)
@@ -612,7 +614,8 @@ def main(argv: list[str] | None = None) -> int:
                      "marker")
 
     rng = random.Random(args.seed)
-    kinds = (tuple(k for k in ALL_KINDS if args.store == "external" or k != "store-outage")
+    kinds = (tuple(k for k in ALL_KINDS if args.store == "external"
+                   or not netfaults.strikes_store(k))
              if args.hosts == "netns" else KINDS)
     count = len(kinds) if args.faults is None else args.faults
     scheduled = parse_schedule(args.schedule) if args.schedule else []
@@ -627,8 +630,9 @@ def main(argv: list[str] | None = None) -> int:
                                           kinds)
     if network_faults and args.hosts != "netns":
         parser.error(f"{network_faults[0]} is a network fault: it needs --hosts netns")
-    if any(f.kind == "store-outage" for f in faults) and args.store != "external":
-        parser.error("store-outage needs --store external (the store on a host of its own)")
+    if any(netfaults.strikes_store(f.kind) for f in faults) and args.store != "external":
+        parser.error("store-outage and store-kill need --store external (the store on a host of "
+                     "its own)")
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**{k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS},

@@ -14,10 +14,15 @@ Each fault lasts its seconds and then heals by itself (a timer), whatever the ha
     slow-link     its data link slowed to SLOW_RATE both ways (tc tbf)
     store-outage  the store's host cut from every node (its one control link); the nodes still
                   reach each other
+    store-kill    the store's outage, and a node SIGKILLed KILL_AFTER_S into it (every process
+                  of its host): a fault whose recovery needs the store while it is away
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,7 +30,7 @@ from dataclasses import dataclass, field
 import hosts
 
 NET_KINDS = ("cut-node", "cut-data", "cut-control", "cut-in", "cut-out", "flap-node",
-             "slow-link", "store-outage")
+             "slow-link", "store-outage", "store-kill")
 DEFAULT_SECONDS = 20.0
 """How long a network fault lasts when its schedule entry does not say."""
 FLAP_DOWN_S = 3.0
@@ -33,6 +38,8 @@ FLAP_UP_S = 3.0
 SLOW_RATE = "4mbit"
 """A slowed link's rate: each step's all-reduce of the ConvNet's 29k gradients sends about
 0.4 MB each way through a node of 2 workers' data link, most of a second at this rate."""
+KILL_AFTER_S = 3.0
+"""How far into the store's outage store-kill's node is killed."""
 STORE_HOST = "store"
 """The host of ``elastic-mnist rendezvous`` (scripts/chaos.py's Cluster)."""
 CUTS = {"cut-node": (None, "both"), "cut-data": ("data", "both"),
@@ -44,6 +51,11 @@ CUTS = {"cut-node": (None, "both"), "cut-data": ("data", "both"),
 def needs_node(kind: str) -> bool:
     """The fault takes a node (all but the store's outage)."""
     return kind != "store-outage"
+
+
+def strikes_store(kind: str) -> bool:
+    """The fault cuts the store's host (store-kill takes a node besides)."""
+    return kind in ("store-outage", "store-kill")
 
 
 @dataclass
@@ -58,6 +70,10 @@ class Strike:
     at: float = 0.0
     healed: float | None = None
     flap: hosts.Flap | None = None
+    victim: str | None = None
+    """store-kill's node's host, whose processes are killed KILL_AFTER_S into the outage."""
+    killed: float | None = None
+    """When they were (the fault judged: store-kill's record counts from it)."""
     _timer: threading.Timer | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -70,13 +86,23 @@ class Strike:
             self.flap = self.network.flap(self.host, FLAP_DOWN_S, FLAP_UP_S)
         elif self.kind == "slow-link":
             self.network.slow(self.host, SLOW_RATE, "data")
-        elif self.kind == "store-outage":
+        elif strikes_store(self.kind):
             self.network.cut(self.host)
+            if self.victim is not None:
+                kill = threading.Timer(KILL_AFTER_S, self._kill_victim)
+                kill.daemon = True
+                kill.start()
         else:
             raise ValueError(f"not a network fault: {self.kind}")
         self._timer = threading.Timer(self.seconds, self.heal)
         self._timer.daemon = True
         self._timer.start()
+
+    def _kill_victim(self) -> None:
+        self.killed = time.time()
+        for pid in self.network.pids(self.victim):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def heal(self) -> None:
         with self._lock:

@@ -57,6 +57,7 @@ import hosts
 import markers
 
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.resilience.store_wait import STORE_WAIT_S
 
 LEAD_STEP = 100
 """The step at which the fault strikes: the job past its start-up, every rank warm."""
@@ -123,6 +124,14 @@ def c10d_cut(f: dict) -> bool:
             and f["first_step_s"] <= 2 and bool(f["came_back"]) and agents_lived(f))
 
 
+STORE_KILL = (f"in process once the store is back (≤ {STORE_WAIT_S:g} s from the fault, said), "
+              "nobody healthy restarts")
+
+
+def store_kill(f: dict) -> bool:
+    return f["recovery"] == "in-process" and within(f, STORE_WAIT_S) and healthy(f)
+
+
 CASES = {
     "kill": Case("a node SIGKILLed (for comparison)", "kill-node", None,
                  "≤ 2 s, in process", lambda f: within(f, 2) and f["recovery"] == "in-process"
@@ -153,6 +162,8 @@ CASES = {
                      "each other)", "store-outage", 30,
                      "goes on (≤ 2 s), nobody dropped, no restart",
                      lambda f: within(f, 2) and f["recovery"] == "none" and healthy(f)),
+    "store-kill": Case("a node SIGKILLed 3 s into a 30 s store outage (its recovery needs the "
+                       "store)", "store-kill", 30, STORE_KILL, store_kill),
     "flap": Case("a node flapping for 30 s (every link down 3 s, up 3 s)", "flap-node", 30,
                  f"each drop ≤ {HANG_TIMEOUT + 2:g} s, nobody healthy restarts, back after",
                  one_sided),
@@ -222,7 +233,7 @@ def answered(f: dict) -> str:
 
 
 def came_back(f: dict) -> str:
-    if f["kind"] == "kill-node":
+    if f["kind"] in ("kill-node", "store-kill"):
         return "—"
     return {True: "yes", False: "no", None: "job ended first"}[f["came_back"]]
 

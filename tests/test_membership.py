@@ -474,6 +474,7 @@ def test_a_fallback_to_a_restart_says_in_which_phase_and_why(store, members, mon
         member.on_fallback = written.append
     mine.recovery.phase = "creating the new group"
     mine.recovery.failure = "creating the new group: no pulse"
+    mine.recovery.deadline.armed_at = time.monotonic() - 60  # the change began 60 s ago
     mine.recovery._give_up()
     assert left == [EXIT_GAVE_UP]
     assert written[0]["phase"] == "creating the new group"

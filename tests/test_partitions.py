@@ -101,6 +101,12 @@ def test_each_case_is_judged_against_its_target():
     assert not cases["data-30"].met(record(gap_s=11.9, survivors_kept=False))
     assert not cases["store-30"].met(record(gap_s=0.3, recovery="restart"))
     assert cases["slow"].met(record(gap_s=3.0, recovery="none"))
+    killed = record(kind="store-kill", gap_s=28.2, came_back=None, grows=0)
+    assert cases["store-kill"].met(killed)  # waited for the store, in process
+    assert not cases["store-kill"].met({**killed, "recovery": "restart"})
+    assert not cases["store-kill"].met({**killed, "survivors_kept": False})
+    assert not cases["store-kill"].met({**killed, "gap_s": 61.0})
+    assert "| 28.2 | 1.4 | in process | no | — |" in partitions.table({"store-kill": killed})
 
 
 def test_the_c10d_case_is_cut_60_under_torchs_rendezvous_and_asks_every_agent_to_live(tmp_path):
@@ -151,7 +157,7 @@ def test_chaos_records_a_network_faults_first_answer_beside_its_last():
             return []
 
     class Healed:
-        at, healed = base, base + 60
+        at, healed, killed = base, base + 60, None
 
         def heal(self):
             pass

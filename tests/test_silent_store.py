@@ -23,7 +23,14 @@ from torch.distributed.elastic.rendezvous import RendezvousParameters
 
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_GAVE_UP
-from elastic_mnist.resilience import agent_monitor, agent_store, keep_alive, recovery, watchdog
+from elastic_mnist.resilience import (
+    agent_monitor,
+    agent_store,
+    keep_alive,
+    recovery,
+    store_wait,
+    watchdog,
+)
 from elastic_mnist.resilience.agent_settings import Settings
 from elastic_mnist.resilience.agents import AgentsHandler
 from elastic_mnist.resilience.board import NodeBoard
@@ -206,10 +213,12 @@ def test_an_agents_monitor_and_keep_alive_go_on_on_fresh_connections(relay, monk
                                                                       caplog):
     """Our rendezvous handler (agents.py) on a connection held for good: torch's agent's
     ``num_nodes_waiting``, asked from the thread that watches its workers, answers within
-    ``ANSWER_S`` (agent_monitor.py; 0.3 s here), and goes on on a fresh connection; the
+    ``ANSWER_S`` (agent_monitor.py; 0.3 s here), and goes on on a fresh connection once the
+    question was held ``RENEW_S`` (0.3 s here); the
     keep-alive, on its own, raises its counter again within ``HELD_S`` (0.5 s here) and a
     keep-alive interval; the agent's shutdown returns."""
     monkeypatch.setattr(agent_monitor, "ANSWER_S", 0.3)
+    monkeypatch.setattr(agent_monitor, "RENEW_S", 0.3)
     monkeypatch.setattr(keep_alive, "HELD_S", 0.5)
     params = RendezvousParameters("elastic-mnist", f"127.0.0.1:{relay.port}", "job", 1, 1,
                                   is_host="false", keep_alive_interval="0.1",
@@ -242,11 +251,14 @@ def test_an_agents_monitor_and_keep_alive_go_on_on_fresh_connections(relay, monk
 
 def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypatch, caplog):
     """A fault declared while the store is silent (membership.py, recovery.py): the declaration
-    waits, and the change's bound, which runs from it, ends the process in one line
-    (EXIT_GAVE_UP) where nothing says the job went on without it."""
+    waits, and the change's bound, which runs from it and waits on for the store
+    (store_wait.py: 1 s here, said), ends the process in one line (EXIT_GAVE_UP) where nothing
+    says the job went on without it."""
     left: list[int] = []
     monkeypatch.setattr(recovery, "end_process", left.append)
     monkeypatch.setattr(recovery, "DROPPED_QUESTION_S", 0.2)
+    for name, value in (("STORE_WAIT_S", 1.0), ("EXTEND_S", 0.2), ("PROBE_S", 0.1)):
+        monkeypatch.setattr(store_wait, name, value)
     env = DistEnv(rank=0, world_size=2, launched=True)
     member = Membership(env, torch.device("cpu"), PrefixStore("launch", client(relay)),
                         generation=0, pg_timeout_s=10, bound_s=0.5,
@@ -257,13 +269,17 @@ def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypat
         assert took is None  # held by the store
         assert member._declaring.acquire(timeout=0.1)  # and no lock with it: a move to the
         member._declaring.release()  # next generation is not held by the store
-        deadline = time.monotonic() + 3
+        began = time.monotonic()
         while not left:
-            assert time.monotonic() < deadline
+            assert time.monotonic() < began + 3
             time.sleep(0.02)
-        assert left == [EXIT_GAVE_UP]
-        assert [r.getMessage().split(":")[0] for r in caplog.records if r.levelname == "ERROR"
-                ] == ["recovery in process failed while detecting the fault"]
+        assert left == [EXIT_GAVE_UP] and time.monotonic() - began >= 0.8  # past the bound
+        said = [r.getMessage() for r in caplog.records if r.levelname in ("WARNING", "ERROR")]
+        assert said[0].startswith("the coordination store does not answer: the recovery waits "
+                                  "for it, up to 1 s from the fault"), said
+        assert said[-1].startswith("recovery in process failed while detecting the fault: no "
+                                   "step completed within 1 s (the coordination store was "
+                                   "away) of the fault"), said
     finally:
         relay.heal()
         member.close()

@@ -8,7 +8,7 @@ ended meanwhile was not seen.
 So the question (the count of agents waiting, and the looks at the keep-alives beside it) is
 asked in a thread of its own, one at a time (in_flight.py), and waited for ``ANSWER_S`` from
 when it was asked; a question still in flight answers "nobody waits" at once. A question held
-past the bound is left to its connection: the agent opens a fresh one (``Connection.renew``,
+``RENEW_S`` is left to its connection: the agent opens a fresh one (``Connection.renew``,
 ``CONNECT_S`` at most a try, one try a question asked), which reaches a store that is back at
 once, and its judgement of the keep-alives begins again on it (:meth:`Monitor.renewed`'s
 caller), so that the held question, should it ever end, shares no state with what follows.
@@ -35,6 +35,9 @@ RETRY_S = 0.1
 ANSWER_S = 1.0
 """How long the monitor's question is waited for, from when it was asked: a store answers in
 milliseconds, and torch's agent asks again every ``--monitor_interval``."""
+RENEW_S = 5.0
+"""A question held this long has its connection opened anew: a store loaded for a moment
+(``make scale`` measured answers slowed twofold) is no cause to open every agent's anew."""
 
 
 class Monitor:
@@ -57,7 +60,8 @@ class Monitor:
             waiting = self._asking.result(ANSWER_S, lambda in_flight, left: 0.0 if in_flight
                                           else left)
         except TimeoutError:
-            self._held()
+            if self._asking.left(RENEW_S) == 0:
+                self._held()
             return 0
         if self.silent:
             log.warning("agent %d reaches the rendezvous store again", self.serial)

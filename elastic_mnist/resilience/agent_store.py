@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agent_settings import Settings
-from elastic_mnist.resilience.in_flight import within
+from elastic_mnist.resilience.in_flight import InFlight
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,10 @@ class Connection:
     backed off, where a fresh connection answers at once (agent_monitor.py renews it)."""
 
     def __init__(self, store: dist.TCPStore, reopen: Callable[[], dist.TCPStore]):
-        self._store, self._reopen = store, reopen
+        self._store = store
+        self._opening = InFlight(reopen, "rdzv-connect", lambda _: None)
+        """One opening at a time: one held by a store that accepts and says nothing is waited
+        for again by the next renewal, not opened anew."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._store, name)
@@ -49,7 +52,7 @@ class Connection:
         """Whether a fresh connection opened within ``CONNECT_S``: then the calls go to it (one
         in flight on the old one is left to it)."""
         try:
-            self._store = within(self._reopen, CONNECT_S, "rdzv-connect")
+            self._store = self._opening.result(CONNECT_S, lambda in_flight, left: left)
         except (RuntimeError, TimeoutError) as e:  # refused, or held: the store is still away
             log.debug("no fresh connection to the rendezvous store: %s", first_line(e))
             return False

@@ -61,6 +61,7 @@ from elastic_mnist.resilience.roster import (
     Watch,
     look_interval,
 )
+from elastic_mnist.stores import listening
 
 log = logging.getLogger(__name__)
 
@@ -153,7 +154,10 @@ class AgentsHandler(RendezvousHandler):
         return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
 
     def _client(self) -> dist.TCPStore:
-        """A connection of its own to the store (the keep-alive's; this agent's, anew)."""
+        """A connection of its own to the store (the keep-alive's; this agent's, anew), where
+        the store listens (torch's opening retries for its whole timeout, then logs a trace)."""
+        if not listening(self.settings.host, self.port, timeout_s=1.0):
+            raise RuntimeError(f"nothing answers at {self.endpoint}")
         return client(self.settings, self.port)
 
     def _renewed(self) -> None:
@@ -211,10 +215,11 @@ class AgentsHandler(RendezvousHandler):
         (less often beyond 40 agents: :func:`look_interval`), this agent also looks at the
         keep-alives of the job's agents, so that it knows the dead ones when it reaches the
         exit barrier."""
+        liveness = self.liveness  # this question's: a renewal gives the next ones another
         if time.monotonic() >= self.next_look:  # the host judges the waiting ones too (linger)
             waiting = self.roster.waiting_agents() if self.server is not None else []
             judged = self.barrier.expected() + waiting
-            self.liveness.dead(judged)
+            liveness.dead(judged)
             self.next_look = time.monotonic() + look_interval(
                 self.settings.keep_alive_interval_s, len(judged))
         return self.roster.waiting(self.round)

@@ -114,15 +114,18 @@ class ExitStore(dist.Store):
         return self._timeout
 
     def set_timeout(self, timeout: datetime.timedelta) -> None:
+        self._barrier.settle()  # torch's first call: before any reaches the store
         self._timeout = timeout
 
     def _key(self, key: str) -> str:
         return self._barrier.roster.key(f"exitstore/{self._barrier.serial}/{key}")
 
     def add(self, key: str, value: int) -> int:
+        self._barrier.settle()
         return self._store.add(self._key(key), value)
 
     def set(self, key: str, value: str | bytes) -> None:
+        self._barrier.settle()
         self._store.set(self._key(key), value)
 
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:

@@ -50,8 +50,8 @@ class KeepAlive:
     def _run(self) -> None:
         roster, failing = None, False
         while not self.stopped.wait(self.interval_s):
-            cap_connections()  # the agent's, opened since (backoff.py)
             try:
+                cap_connections()  # the agent's, opened since (backoff.py)
                 if roster is None:
                     roster = Roster(within(self.connect, CONNECT_S, "rdzv-connect"), self.run_id)
                 within(lambda r=roster: r.keep_alive(self.serial),

@@ -473,7 +473,7 @@ class Recovery:
             log.error("%s", asked[0])
             end_process(EXIT_DROPPED)
             return
-        self.fall_back(f"no step completed within {self.store_wait.said(self.member.bound_s)} "
+        self.fall_back(f"no step completed within {self.store_wait.said(self.deadline)} "
                        "of the fault"
                        + (f" (the last round failed {self.failure})" if self.failure else ""))
         end_process(EXIT_GAVE_UP)

@@ -59,10 +59,10 @@ class StoreWait:
                         STORE_WAIT_S)
         return deadline.extend(min(EXTEND_S, left))
 
-    def said(self, bound_s: float) -> str:
-        """The bound the last change ran to, in words."""
-        return (f"{STORE_WAIT_S:g} s (the coordination store was away)" if self._away
-                else f"{bound_s:.0f} s")
+    def said(self, deadline: Deadline) -> str:
+        """How long the last change ran, in words."""
+        waited = f"{time.monotonic() - deadline.armed_at:.0f} s"
+        return f"{waited} (the coordination store was away)" if self._away else waited
 
     def _answers(self) -> bool:
         try:

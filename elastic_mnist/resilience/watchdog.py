@@ -185,7 +185,7 @@ class Watchdog(NullWatchdog):
             self.silence.start()
 
     def step_done(self, step: int, seconds: float) -> None:
-        self.step = step
+        self.step, self.away_since = step, None  # a step: any wait for the store is over
         self.last_progress = time.monotonic()
         if self.armed:
             self.recent.append(seconds)
