@@ -50,7 +50,7 @@ test: $(STAMP)  ## the whole suite, in TEST_WORKERS (2) processes
 	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
-test-fast: $(STAMP)  ## the suite without the tests marked slow (those that launch torchrun)
+test-fast: $(STAMP)  ## the suite without the tests marked slow (torchrun launches, cuts of seconds)
 	$(COMPILE_OURS)
 	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
 

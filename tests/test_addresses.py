@@ -169,6 +169,7 @@ else:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(hosts.unavailable() is not None,
                     reason=f"hosts of their own: {hosts.unavailable()}")
 def test_two_nodes_that_go_by_one_host_name_still_meet_and_one_line_says_so():

@@ -99,6 +99,7 @@ print(json.dumps(time.time()), flush=True)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(hosts.unavailable() is not None or not kernel_caps(),
                     reason=f"hosts of their own: {hosts.unavailable() or 'no TCP_RTO_MAX_MS'}")
 def test_after_an_outage_a_capped_connection_is_heard_within_a_second_of_the_heal():
