@@ -181,6 +181,36 @@ def test_a_live_rank_that_never_comes_is_left_out_at_the_limit(store, pulses):
     assert members == [0] and 1.5 <= time.monotonic() - start < 4
 
 
+def test_a_look_that_waited_for_the_store_counts_not_against_the_limit(store, pulses,
+                                                                        monkeypatch):
+    """The store away during a look (0.8 s here, over AWAY_S's 0.5; its check-ins held with it,
+    store_wait.py): the limit (0.6 s) runs on from where it stood, so the survivor whose
+    check-in the outage held, heard just after it, is kept instead of left out by a limit that
+    ran out meanwhile."""
+    from elastic_mnist.resilience import agreement
+
+    monkeypatch.setattr(agreement, "AWAY_S", 0.5)
+    check_in(store, 0)
+
+    class AwayOnce:  # the first look's add waits, as on a connection the store left
+        def __init__(self):
+            self.away = True
+
+        def __getattr__(self, name):
+            return getattr(store, name)
+
+        def add(self, key, value):
+            if self.away:
+                self.away = False
+                time.sleep(0.8)
+                threading.Timer(0.2, check_in, (store.clone(), 1)).start()  # heard after it
+            return store.add(key, value)
+
+    members = close_membership(AwayOnce(), "g0/", expected={0, 1}, excluded=[],
+                               pulses=pulses(0, 1), limit_s=0.6)["members"]
+    assert members == [0, 1]
+
+
 def test_an_arrival_lost_before_it_named_itself_hides_none_after_it(store, pulses):
     """Rank 1 counts itself among the arrivals and is lost before it writes its name: the
     ranks that come after it are read all the same (its pulse stops: it is left out), and the

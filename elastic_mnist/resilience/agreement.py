@@ -33,8 +33,9 @@ frozen (about 1.5 s). Above the second that a live rank's pulse thread can wait 
 where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6 s was seen,
 and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
 recovery may add to it (it is named by this silence when nothing else fails first)."""
-LOOK_S = 0.005
-"""How often a watcher of a change looks whether the survivors have checked in."""
+LOOK_S, AWAY_S = 0.005, 2.0
+"""How often a watcher of a change looks whether the survivors have checked in; a look that
+took longer than AWAY_S (the store away: store_wait.py) counts no longer against the limit."""
 WHY = ("died", "left", "hung")
 """Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
 
@@ -275,12 +276,10 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
     check-ins; each reads each arrival once (an entry not written yet, its writer lost between
     its count and its name, say, is looked for again at the next look). Every other survivor
     waits for the record, then reads it: two operations. If no watcher has written it a second
-    past ``limit_s`` (all three lost meanwhile), the :func:`backup_watchers` close it at once,
-    and the rest wait for them as long again (past the recovery's bound, which then restarts
-    the job): every survivor closing it itself was W reads each, W² in all, at the moment the
-    store is busiest."""
+    past ``limit_s`` (all three lost), the :func:`backup_watchers` close it, and the rest wait
+    as long again (every survivor closing it itself was W² reads, the store at its busiest)."""
     key = f"{prefix}members"
-    start = next_read = time.monotonic()
+    start = next_read = last = time.monotonic()
     first = watchers(expected)
     if rank is not None and rank not in first:
         # A second more than the watchers: one that came to the agreement later than this
@@ -310,6 +309,7 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
         unread -= {entries[entry] for entry in found}
         present = arrived.keys() & expected
         now = time.monotonic()
+        start, last = start + (now - last if now - last > AWAY_S else 0.0), now  # store away
         if now >= next_read:
             silent, next_read = pulses.silent(), now + PULSE_S
         if present >= expected - silent or now - start >= limit_s:
