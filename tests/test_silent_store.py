@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.rendezvous import RendezvousParameters
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError, RendezvousParameters
 
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import EXIT_GAVE_UP
@@ -247,6 +247,21 @@ def test_an_agents_monitor_and_keep_alive_go_on_on_fresh_connections(relay, monk
     finally:
         took, _ = waited(handler.shutdown, 5)
         assert took is not None
+
+
+def test_a_rendezvous_call_waits_join_timeout_at_most_then_the_agent_leaves(relay):
+    """Every call of our rendezvous on the agent's connection (agent_store.Connection: its
+    rounds, its exit barrier, its shutdown) waits ``join_timeout`` at most (0.3 s here), then
+    says so in one line: a silent store held it about 15 minutes."""
+    connection = agent_store.Connection(client(relay), lambda: client(relay), bound_s=0.3)
+    connection.set("k", "v")
+    assert connection.get("k") == b"v" and connection.port == relay.port
+    relay.hold_existing()
+    took, error = waited(lambda: connection.get("k"), 2)
+    assert took is not None and 0.3 <= took < 0.8
+    assert isinstance(error, RendezvousConnectionError)
+    assert str(error) == ("the rendezvous store did not answer get() within 0.3 s (join_timeout "
+                          "of --rdzv_conf): this agent leaves")
 
 
 def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypatch, caplog):

@@ -22,7 +22,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 
 from elastic_mnist.errors import first_line
 from elastic_mnist.resilience.agent_settings import Settings
-from elastic_mnist.resilience.in_flight import InFlight
+from elastic_mnist.resilience.in_flight import InFlight, within
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +36,33 @@ CONNECT_S = 2.0
 class Connection:
     """The agent's connection to the store, which :meth:`renew` replaces by a fresh one; every
     call goes to the current one. A call held by a silent connection waits, in torch 2.14.1, as
-    long as TCP keeps the connection, and after the heal as long as TCP's retransmissions were
-    backed off, where a fresh connection answers at once (agent_monitor.py renews it)."""
+    long as TCP keeps the connection (about 15 minutes), and after the heal as long as TCP's
+    retransmissions were backed off, where a fresh connection answers at once (agent_monitor.py
+    renews it). So each call is made in a thread of its own and waited for ``bound_s`` (the
+    rendezvous' ``join_timeout``) at most: then the agent ends in one line. Every call of the
+    rendezvous is a quick one (none waits for a key), and none is retried: an ``add`` held may
+    still land."""
 
-    def __init__(self, store: dist.TCPStore, reopen: Callable[[], dist.TCPStore]):
-        self._store = store
+    def __init__(self, store: dist.TCPStore, reopen: Callable[[], dist.TCPStore],
+                 bound_s: float):
+        self._store, self.bound_s = store, bound_s
         self._opening = InFlight(reopen, "rdzv-connect", lambda _: None)
         """One opening at a time: one held by a store that accepts and says nothing is waited
         for again by the next renewal, not opened anew."""
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._store, name)
+        found = getattr(self._store, name)
+        if not callable(found):
+            return found
+        return lambda *args, **kwargs: self._bounded(found, name, args, kwargs)
+
+    def _bounded(self, call: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            return within(lambda: call(*args, **kwargs), self.bound_s, "rdzv-call")
+        except TimeoutError:
+            raise RendezvousConnectionError(
+                f"the rendezvous store did not answer {name}() within {self.bound_s:g} s "
+                f"(join_timeout of --rdzv_conf): this agent leaves") from None
 
     def renew(self) -> bool:
         """Whether a fresh connection opened within ``CONNECT_S``: then the calls go to it (one

@@ -110,7 +110,7 @@ class AgentsHandler(RendezvousHandler):
         self.settings, self.nproc = settings, nproc
         self.server, first = connect(settings)
         self.port = first.port
-        self.store = Connection(first, self._client)
+        self.store = Connection(first, self._client, settings.join_timeout_s)
         """This agent's connection, opened anew where a question held it (agent_monitor.py)."""
         self.roster = Roster(self.store, settings.run_id)
         try:
