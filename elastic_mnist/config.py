@@ -133,6 +133,11 @@ class RunConfig:
     (in-process; gloo only: refused on NCCL until it has run on GPUs), or torchrun restarts every
     worker from the last checkpoint (restart). auto: in process on gloo under a multi-node
     rendezvous (ours or torch's c10d), by restart on NCCL and on one node."""
+    balance: bool = False
+    """While pace.py names a rank a straggler, share each step's micro-batches among the ranks in
+    proportion to their measured speed, with hysteresis; even shares otherwise, and the update the
+    same up to the order of its sums (docs/performance.md). Off until make stragglers has
+    measured what it wins."""
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""

@@ -24,7 +24,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from elastic_mnist.comm import Comm, require_group
 from elastic_mnist.config import TrainConfig
-from elastic_mnist.data.order import share
 from elastic_mnist.env import DistEnv
 from elastic_mnist.fast_path import choose_compilation, micro_batches_per_rank, set_float32_math
 from elastic_mnist.model import build_model
@@ -137,15 +136,17 @@ class Engine:
             self.ddp = None
 
     def compiling(self, micro_batches: Callable[[], list[torch.Tensor]],
+                  mine: Callable[[list[torch.Tensor]], list[torch.Tensor]],
                   comm: Comm) -> contextlib.AbstractContextManager:
         """Under --compile, a step that gives this rank a micro-batch size it has not run yet (an
         epoch's short last micro-batch) recompiles the model: seconds of work of its own, which
         the watchdog must not take for a hang. ``micro_batches`` splits the step's batch, asked
-        only under --compile."""
+        only under --compile; ``mine`` gives this rank's share of them (balance.py), as the step
+        will."""
         if self.compilation.mode is None:
             return contextlib.nullcontext()
         split = micro_batches()
-        sizes = {len(m) for m in share(split, self.env.rank, self.env.world_size) or split[:1]}
+        sizes = {len(m) for m in mine(split) or split[:1]}
         if sizes <= self.compiled_sizes:
             return contextlib.nullcontext()
         self.compiled_sizes |= sizes

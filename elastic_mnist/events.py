@@ -1,11 +1,11 @@
 """``<run dir>/events.jsonl``: the run's story, one JSON object per line, for tools and tests.
 
 Rank 0 appends ``start``, ``resize``, ``shrink``, ``grow``, ``checkpoint``, ``eval``,
-``nonfinite``, ``hang``, ``straggler``, ``straggler_recovered``, ``preempted``, ``left`` and
-``finish`` records, each with a UTC timestamp and the step,
-and flushes every line: a kill loses nothing already said. Other ranks get a log that writes
-nothing. Each record's ``writer`` names the process that wrote it (``host/pid``): one the job
-went on without writes none after that (fence.py), which ``make partitions`` checks.
+``nonfinite``, ``hang``, ``straggler``, ``straggler_recovered``, ``shares``, ``preempted``,
+``left`` and ``finish`` records, each with a UTC timestamp and the step, and flushes every
+line: a kill loses nothing already said. Other ranks get a log that writes nothing. Each
+record's ``writer`` names the process that wrote it (``host/pid``): one the job went on without
+writes none after that (fence.py), which ``make partitions`` checks.
 """
 
 from __future__ import annotations

@@ -31,7 +31,8 @@ RESUMED_AS_WRITTEN = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "wei
 # decides the steps, their collectives or the model's state (a joiner with other --epochs would
 # stop at another step than the others, one with another --grad-sync join other collectives).
 LOCKSTEP = (*(("optim", f.name) for f in fields(OptimConfig)), ("data", "dataset"),
-            ("run", "precision"), ("run", "compile"), ("run", "channels_last"))
+            ("run", "precision"), ("run", "compile"), ("run", "channels_last"),
+            ("run", "balance"))
 
 
 @dataclass

@@ -6,11 +6,12 @@ left without a micro-batch (more ranks than micro-batches) still joins the gradi
 that counts for nothing.
 
 This room is the loop and the step; the rest lives behind narrow faces: the model and its wrappers
-(engine.py), the collectives and the watchdog's marks (comm.py), the payload and the resume rules
-(state.py), the recovery in process (regroup.py), reporting (report.py), and what the loop writes
-through (writers.py). Every collective of the loop is waited on through the membership
-(membership.py): when the group loses a rank, the step fails, and :meth:`Trainer.recover` goes on
-with the ranks that are left, in the same process, from the state they agree on (regroup.py).
+(engine.py), which rank computes which micro-batch (balance.py), the collectives and the
+watchdog's marks (comm.py), the payload and the resume rules (state.py), the recovery in process
+(regroup.py), reporting (report.py), and what the loop writes through (writers.py). Every
+collective of the loop is waited on through the membership (membership.py): when the group loses a
+rank, the step fails, and :meth:`Trainer.recover` goes on with the ranks that are left, in the same
+process, from the state they agree on (regroup.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import torch
 import torch.nn.functional as F
 
 from elastic_mnist import state as payloads
+from elastic_mnist.balance import step_shares
 from elastic_mnist.batchnorm import GlobalBatchNormStats
 from elastic_mnist.comm import Comm
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.data.datasets import Dataset
-from elastic_mnist.data.order import SampleOrder, Shares, share
+from elastic_mnist.data.order import SampleOrder, Shares
 from elastic_mnist.engine import Engine
 from elastic_mnist.env import DistEnv
 from elastic_mnist.errors import (
@@ -147,6 +149,7 @@ class Trainer:
                              self.optimizer, dataset, self.test_data, device)
         self.shares_said_for = 0
         self.pace = Pace(device)
+        self.balance = step_shares(cfg)  # who computes which micro-batch: balance.py
         self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
                                device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
@@ -167,6 +170,7 @@ class Trainer:
         self.comm = Comm(self.env, self.membership, self.writers.watchdog)
         self.report.enter(self.env, self.restart_generation, self.writers, self.comm)
         self.pace.enter(self.env, self.writers, self.membership)
+        self.balance.enter(self.env, self.writers)
         self.say_shares()
 
     def say_shares(self) -> None:
@@ -288,7 +292,8 @@ class Trainer:
         w = self.writers
         batch = self.global_batch()
         w.faults.maybe_hang(self.progress.step + 1)
-        with self.engine.compiling(lambda: self.order.micro_batches(batch), self.comm):
+        with self.engine.compiling(lambda: self.order.micro_batches(batch), self.balance.mine,
+                                   self.comm):
             result = self.train_step(batch, stop_requested)
         w.watchdog.step_done(self.progress.step + 1, result.seconds)
         if result.checkpoint_failed:
@@ -299,7 +304,8 @@ class Trainer:
         # rank); a collective inside the evaluation is waiting, like a step's.
         with self.comm.busy("logging"):
             self.count_nonfinite(result)
-            self.pace.observe(self.progress.step, result)
+            self.pace.observe(self.progress.step, self.balance.at_equal_shares(result))
+            self.balance.follow(self.progress.step, self.pace.detector)
             self.report.step(result, epoch_ended, changed)
         if epoch_ended or self.done():
             self.report.evaluation()
@@ -329,7 +335,7 @@ class Trainer:
             group["lr"] = lr
         # This rank's share of the global batch.
         micro_batches = self.order.micro_batches(batch)
-        mine = share(micro_batches, self.env.rank, self.env.world_size)
+        mine = self.balance.mine(micro_batches)  # even, or by speed under --balance
         counts = bool(mine)
         if not counts:  # more ranks than micro-batches: join the sync with a pass worth nothing
             mine = micro_batches[:1]
