@@ -140,9 +140,12 @@ def invariants_differ(written: dict[str, Any], cfg: TrainConfig, source: str,
 
 def check_lockstep(theirs: dict[str, Any], cfg: TrainConfig) -> None:
     """Raises ConfigError naming the first flag (of LOCKSTEP) where ``cfg`` differs from the
-    config ``theirs`` of the job that this node joins."""
+    config ``theirs`` of the job that this node joins. A flag the job does not name is one its
+    version did not have: it runs as that flag's default."""
+    default = TrainConfig()
     for section, name in LOCKSTEP:
-        was, now = theirs[section][name], getattr(getattr(cfg, section), name)
+        was = theirs.get(section, {}).get(name, getattr(getattr(default, section), name))
+        now = getattr(getattr(cfg, section), name)
         if was != now:
             raise ConfigError(f"the job this node joins runs with {flag_name(name)}={was}, this "
                               f"node with {now}: start it with the job's flags")

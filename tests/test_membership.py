@@ -181,6 +181,22 @@ def test_a_live_rank_that_never_comes_is_left_out_at_the_limit(store, pulses):
     assert members == [0] and 1.5 <= time.monotonic() - start < 4
 
 
+def test_after_the_store_was_away_every_rank_is_heard_afresh(store):
+    """The store back after an outage: the reader's own node record comes back first, its
+    pulse jumped by the outage's pulses (300 here); another node's comes back a moment later.
+    That rank is not silent at once, only once the reader's own moved SILENT_PULSES more."""
+    from elastic_mnist.resilience.agreement import SILENT_PULSES
+
+    for rank in (0, 1):
+        store.add(f"pulse/{rank}", 1)
+    pulses = Pulses(store, {r: (f"pulse/{r}", 0) for r in (0, 1)}, ("pulse/0", 0))
+    assert pulses.silent() == set()
+    store.add("pulse/0", 300)  # the reader's record, written again after the outage
+    assert pulses.silent() == set()  # rank 1's record is not back yet: heard afresh
+    store.add("pulse/0", SILENT_PULSES)
+    assert pulses.silent() == {1}  # still not back: silent
+
+
 def test_a_look_that_waited_for_the_store_counts_not_against_the_limit(store, pulses,
                                                                         monkeypatch):
     """The store away during a look (0.8 s here, over AWAY_S's 0.5; its check-ins held with it,

@@ -1,11 +1,7 @@
 """The records the survivors of a fault agree on, and the helpers that agree on them.
 
-Who a worker is (:class:`Identity`), where it stood when the fault struck (:class:`Position`),
-the generation's one fault (:class:`Fault`) and what a recovery hands the trainer
-(:class:`Change`); whose pulse stopped (:class:`Pulses`), who closes the membership
-(:func:`close_membership`) and each survivor's place in the new world (:func:`successor_env`).
-Pure records and store reads: no thread, no process group (membership.py and recovery.py use them).
-"""
+Identity, Position, Fault, Change; whose pulse stopped (Pulses), who closes the membership
+(close_membership), each survivor's place (successor_env). Pure records and store reads."""
 
 from __future__ import annotations
 
@@ -30,9 +26,8 @@ PULSE_S = 0.1
 SILENT_PULSES = 15
 """A process whose pulse stood still while the reader's own moved this many times is gone or
 frozen (about 1.5 s). Above the second that a live rank's pulse thread can wait for the CPU
-where many ranks share few cores (4 nodes × 8 workers on 2 cores: more than 0.6 s was seen,
-and a live rank judged dead costs the job a restart); below the 2 s that a node lost inside a
-recovery may add to it (it is named by this silence when nothing else fails first)."""
+(4 × 8 on 2 cores: over 0.6 s seen; a live rank judged dead costs a restart); below the 2 s
+that a node lost inside a recovery may add to it."""
 LOOK_S, AWAY_S = 0.005, 2.0
 """How often a watcher of a change looks whether the survivors have checked in; a look that
 took longer than AWAY_S (the store away: store_wait.py) counts no longer against the limit."""
@@ -279,7 +274,7 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
     past ``limit_s`` (all three lost), the :func:`backup_watchers` close it, and the rest wait
     as long again (every survivor closing it itself was W² reads, the store at its busiest)."""
     key = f"{prefix}members"
-    start = next_read = last = time.monotonic()
+    start = next_read = time.monotonic()
     first = watchers(expected)
     if rank is not None and rank not in first:
         # A second more than the watchers: one that came to the agreement later than this
@@ -294,7 +289,7 @@ def close_membership(store: dist.Store, prefix: str, expected: set[int], exclude
             closed = True
         if closed:  # two operations in all, the record's read the second
             return _members_record(store.get(key))
-    seen, unread, silent = 0, set(), set()
+    seen, unread, silent, last = 0, set(), set(), time.monotonic()
     arrived: dict[int, str] = {}
     while not store.check([key]):
         arrivals = store.add(f"{prefix}arrivals", 0)
@@ -344,7 +339,7 @@ class Pulses:
     """Who is still there, by the pulses in the coordination store: a process is silent when its
     pulse stood still while the reader's own moved SILENT_PULSES times. Measured by the reader's
     own pulse, not its clock: a store that stalls, or a reader starved of CPU, holds back both.
-    Each read is one ``multi_get`` of the nodes' records (board.py), one per node."""
+    One ``multi_get`` a read. The reader's own jumping (the store back) hears every rank afresh."""
 
     def __init__(self, store: dist.Store,
                  keys: Mapping[int, PulseKey | None] | Callable[[], Mapping[int, PulseKey | None]],
@@ -356,6 +351,7 @@ class Pulses:
         self._keys = keys
         self.seen: dict[int, tuple[int, int]] = {}
         """rank → (its pulse, the reader's own when it last moved)."""
+        self.mine = -1
 
     @functools.cached_property
     def keys(self) -> Mapping[int, PulseKey | None]:
@@ -371,6 +367,9 @@ class Pulses:
             return slots[key[1]] if key is not None and key[1] < len(slots) else -1
 
         mine, theirs = pulse(self.own), {rank: pulse(key) for rank, key in self.keys.items()}
+        if self.seen and mine - self.mine > 2 * SILENT_PULSES:  # the store away: heard afresh
+            self.seen = {rank: (seen, mine) for rank, (seen, _) in self.seen.items()}
+        self.mine = mine
         for rank in self.keys:
             # Moved: higher than ever seen (a speaker woken from a freeze may write its old
             # counts once more: a step back is no sign of life).
