@@ -70,6 +70,7 @@ from elastic_mnist.resilience.current import dropped_line
 from elastic_mnist.resilience.deadline import Deadline
 from elastic_mnist.resilience.faces import Member
 from elastic_mnist.resilience.findings import Survey, survey
+from elastic_mnist.resilience.in_flight import within
 from elastic_mnist.resilience.reach import node_listener
 from elastic_mnist.resilience.read_once import ReadOnce
 from elastic_mnist.resilience.silence import kill_stopped_siblings
@@ -460,17 +461,16 @@ class Recovery:
         back. The question is bounded: a store that does not answer delays no give-up."""
         if self.store_wait.extends(self.deadline):  # it waits on for a store away
             return
-        asked: list[Dropped | None] = []
-        question = threading.Thread(target=lambda: asked.append(self._left_behind()),
-                                    daemon=True, name="membership-dropped")
-        question.start()
-        question.join(DROPPED_QUESTION_S)
+        try:
+            dropped = within(self._left_behind, DROPPED_QUESTION_S, "membership-dropped")
+        except Exception:  # noqa: BLE001 - no answer in time, or none to give: it falls back
+            dropped = None
         if not self.deadline.current():  # the change completed as the question was asked
             return
         if not first_to_say_dropped():  # another thread says the line, and ends the process
             wait_for_the_end()
-        if asked and asked[0] is not None:
-            log.error("%s", asked[0])
+        if dropped is not None:
+            log.error("%s", dropped)
             end_process(EXIT_DROPPED)
             return
         self.fall_back(f"no step completed within {self.store_wait.said(self.deadline)} "
