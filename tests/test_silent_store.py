@@ -262,6 +262,8 @@ def test_a_rendezvous_call_waits_join_timeout_at_most_then_the_agent_leaves(rela
     assert isinstance(error, RendezvousConnectionError)
     assert str(error) == ("the rendezvous store did not answer get() within 0.3 s (join_timeout "
                           "of --rdzv_conf): this agent leaves")
+    took, value = waited(lambda: connection.get("k"), 3)  # the next: on a fresh connection
+    assert took is not None and took < 0.3 and value == b"v"
 
 
 def test_a_faults_declaration_waits_the_changes_bound(relay, tmp_path, monkeypatch, caplog):

@@ -45,7 +45,7 @@ class Connection:
 
     def __init__(self, store: dist.TCPStore, reopen: Callable[[], dist.TCPStore],
                  bound_s: float):
-        self._store, self.bound_s = store, bound_s
+        self._store, self.bound_s, self._held = store, bound_s, False
         self._opening = InFlight(reopen, "rdzv-connect", lambda _: None)
         """One opening at a time: one held by a store that accepts and says nothing is waited
         for again by the next renewal, not opened anew."""
@@ -54,12 +54,20 @@ class Connection:
         found = getattr(self._store, name)
         if not callable(found):
             return found
-        return lambda *args, **kwargs: self._bounded(found, name, args, kwargs)
+        return lambda *args, **kwargs: self._bounded(name, args, kwargs)
 
-    def _bounded(self, call: Callable[..., Any], name: str, args: tuple, kwargs: dict) -> Any:
+    def _bounded(self, name: str, args: tuple, kwargs: dict) -> Any:
+        """One call, bounded; after a call held past the bound the connection is held too: the
+        next goes on a fresh one, or fails at once (the agent's shutdown, after the round
+        that failed, leaves in seconds instead of waiting as long again)."""
+        if self._held and not self.renew():
+            raise RendezvousConnectionError(f"the rendezvous store does not answer {name}()")
+        self._held = False
+        call = getattr(self._store, name)
         try:
             return within(lambda: call(*args, **kwargs), self.bound_s, "rdzv-call")
         except TimeoutError:
+            self._held = True
             raise RendezvousConnectionError(
                 f"the rendezvous store did not answer {name}() within {self.bound_s:g} s "
                 f"(join_timeout of --rdzv_conf): this agent leaves") from None
