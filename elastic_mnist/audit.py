@@ -37,12 +37,14 @@ class AuditLog:
         return torch.cat(micro_batches).tolist()
 
     def record(self, step: int, epoch: int, rank: int, world_size: int,
-               indices: list[int]) -> None:
+               indices: list[int], compute_s: float | None = None) -> None:
+        """``compute_s``: this rank's own compute seconds of the step (pace.py), from which
+        scripts/stragglers.py reads every rank's speed (samples per second of its own work)."""
         if self.file is not None:
             self.fence.check(recent=True)
             self.file.write(json.dumps({"step": step, "epoch": epoch, "rank": rank,
                                         "world_size": world_size, "time": time.time(),
-                                        "indices": indices}) + "\n")
+                                        "compute_s": compute_s, "indices": indices}) + "\n")
 
     def close(self) -> None:
         if self.file is not None:

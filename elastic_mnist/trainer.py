@@ -372,7 +372,8 @@ class Trainer:
 
         # Recorded before the step's last collective: once any rank has finished the step (and
         # may checkpoint it), every rank's record is written, even if its node dies right after.
-        w.audit.record(step, self.progress.epoch, self.env.rank, self.env.world_size, audited)
+        w.audit.record(step, self.progress.epoch, self.env.rank, self.env.world_size, audited,
+                       compute_s)
         # One collective for the step: loss, accuracy, the flags and own compute seconds of every
         # rank, the BatchNorm statistics; its head read back to the host once (the step's one sync), a wait for the
         # peers as long as the collective's own (marks nest: NCCL blocks in the read).
