@@ -15,7 +15,7 @@ CHURN_ARGS     ?=
 PARTITIONS_ARGS ?=
 SCALE_ARGS     ?=
 
-.PHONY: install train test test-fast test-torch211 tensorboard chaos chaos32 churn partitions scale \
+.PHONY: install train test test-harness test-fast test-torch211 tensorboard chaos chaos32 churn partitions scale \
 	recovery-soak lint clean bench slurm-check help
 
 install: $(STAMP)  ## create .venv (torch, this package, test tools): every target does it first
@@ -46,9 +46,16 @@ train: $(STAMP)  ## train here: a worker per GPU, or 2 on CPU (TRAIN_ARGS="--epo
 # the suite's few hundred processes would compile them again.
 TEST_WORKERS ?= 2
 COMPILE_OURS := $(BIN)/python -m compileall -q -j 0 elastic_mnist scripts tests > /dev/null
-test: $(STAMP)  ## the whole suite, in TEST_WORKERS (2) processes
+test: $(STAMP)  ## the whole suite but the harnesses' end-to-end runs, in TEST_WORKERS (2) processes
 	$(COMPILE_OURS)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "not harness"
+
+# scripts/' harnesses run end to end (bench.py's CPU contenders, scale.py, the GPU check's dry
+# run, exit_race.py): tests of the measuring tools rather than of the job, a minute and a half
+# on 2 cores; CI runs them after make test (.ci/run).
+test-harness: $(STAMP)  ## the harnesses' end-to-end runs (CI runs them)
+	$(COMPILE_OURS)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m harness
 
 test-fast: $(STAMP)  ## the suite without the tests marked slow (torchrun launches, cuts of seconds)
 	$(COMPILE_OURS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+import pytest
 from launch import REPO, run
 
 PROGRAM = """
@@ -25,6 +26,7 @@ def test_end_process_keeps_the_code_the_log_and_the_output(tmp_path):
     assert log.read_text() == "INFO:job:the last log line\n"
 
 
+@pytest.mark.harness
 def test_exit_race_script_runs_both_ways():
     done = run([sys.executable, str(REPO / "scripts" / "exit_race.py"), "--launches", "1",
                 "--nproc", "2", "--load", "0"])
