@@ -138,6 +138,12 @@ class RunConfig:
     proportion to their measured speed, with hysteresis; even shares otherwise, and the update the
     same up to the order of its sums (docs/performance.md). Off until make stragglers has
     measured what it wins."""
+    evict_slower_than: float = 0.0
+    """Let a node go, in process, once a rank of it has been named a straggler this many times
+    slower than its peers' median for --evict-after seconds; it comes back by the join path once
+    it is fast again (eviction.py). 0: never (at least pace.SLOW, 1.5, where given)."""
+    evict_after: float = 60.0
+    """Seconds a straggler must stay --evict-slower-than times slower before it is let go."""
     max_nonfinite_steps: int = 3
     """Stop the job after this many steps in a row whose loss or gradients are NaN or infinite
     (each is skipped: no update)."""
@@ -185,6 +191,17 @@ class TrainConfig:
         if self.run.recovery == "in-process" and self.run.hang_timeout <= 0:
             raise ConfigError("--recovery in-process needs the watchdog to bound every wait: "
                               "give --hang-timeout a positive value")
+        from elastic_mnist.pace import SLOW  # torch's: only where a run is validated
+
+        evict = self.run.evict_slower_than
+        if evict and evict < SLOW:
+            raise ConfigError(f"--evict-slower-than must be 0 (never) or at least {SLOW:g}, the "
+                              f"factor at which a rank is named a straggler; got {evict:g}")
+        if evict and self.run.recovery == "restart":
+            raise ConfigError("--evict-slower-than lets a node go in process: not with "
+                              "--recovery restart")
+        if self.run.evict_after < 0:
+            raise ConfigError(f"--evict-after must not be negative, got {self.run.evict_after}")
         if o.micro_batch_size > o.global_batch_size:
             raise ConfigError(
                 f"--micro-batch-size ({o.micro_batch_size}) exceeds --global-batch-size "

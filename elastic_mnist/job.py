@@ -46,6 +46,7 @@ from elastic_mnist.env import (
 )
 from elastic_mnist.errors import (
     EXIT_CANNOT_SAVE,
+    EXIT_DROPPED,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     CheckpointWriteError,
@@ -171,6 +172,12 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
                     "%.0f s): exiting with %d, so that torchrun restarts this node into the "
                     "job's next round", duties.membership.bound_s, EXIT_PREEMPTED)
         return EXIT_PREEMPTED
+    if outcome == "evicted":  # its record is written (eviction.py): nothing more to say there
+        events.close()
+        log.warning("evicted at step %d as a straggler: the other nodes go on without this one; "
+                    "exiting with %d, so that torchrun restarts this node, which rejoins once "
+                    "it is fast again", step, EXIT_DROPPED)
+        return EXIT_DROPPED
     if outcome != "finished":
         events.emit(outcome, step, signal=stop.signal_name)
         events.close()

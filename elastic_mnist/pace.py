@@ -117,6 +117,8 @@ class StragglerDetector:
         self.fast_run = [0] * world_size
         self.named: dict[int, int] = {}
         """Named ranks, and the step at which each was named."""
+        self.last: tuple[list[float], list[float], list[float]] | None = None
+        """The last judged step's :meth:`factors` (none before the window is full)."""
 
     def factors(self) -> tuple[list[float], list[float], list[float]]:
         """(each rank's pace over its peers' median pace, its pace, its peers' median pace)."""
@@ -136,7 +138,7 @@ class StragglerDetector:
             window.append(seconds)
         if len(self.times[0]) < WINDOW:
             return []
-        factors, paces, peers = self.factors()
+        factors, paces, peers = self.last = self.factors()
         named, recovered = [], []
         for r, factor in enumerate(factors):
             slow = factor >= SLOW and paces[r] - peers[r] >= MIN_EXCESS_S

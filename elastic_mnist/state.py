@@ -32,7 +32,7 @@ RESUMED_AS_WRITTEN = (("optim", "lr"), ("optim", "warmup_steps"), ("optim", "wei
 # stop at another step than the others, one with another --grad-sync join other collectives).
 LOCKSTEP = (*(("optim", f.name) for f in fields(OptimConfig)), ("data", "dataset"),
             ("run", "precision"), ("run", "compile"), ("run", "channels_last"),
-            ("run", "balance"))
+            ("run", "balance"), ("run", "evict_slower_than"), ("run", "evict_after"))
 
 
 @dataclass

@@ -30,5 +30,9 @@ class StepResult:
     admit: bool = False
     """Rank 0 decided to admit joining nodes: every rank moves to their generation after this
     step."""
+    evict_voted: bool = False
+    """Some rank voted that the stragglers are evicted (eviction.py)."""
+    evicted: list[int] = field(default_factory=list)
+    """Ranks the job lets go after this step, as slower than F (``--evict-slower-than``)."""
     compute_s: list[float] = field(default_factory=list)
     """Every rank's own compute seconds of the step, without its wait for the others (pace.py)."""

@@ -41,6 +41,7 @@ from elastic_mnist.errors import (
     TrainingDiverged,
     first_line,
 )
+from elastic_mnist.eviction import Eviction, Probation
 from elastic_mnist.fast_path import adamw_kernels
 from elastic_mnist.pace import Pace
 from elastic_mnist.regroup import Regroup
@@ -59,10 +60,10 @@ class StepFlags:
     """This rank's flags in the step's one collective, in a tensor allocated once and written
     by kernels on its device (``fill_``, a copy from the device), never copied from the host:
     whether rank 0's last save failed, a vote that the ranks asking to stop leave, rank 0's
-    decision to admit joining nodes, and per rank whether it asks to stop and whether its loss
-    or gradients were not finite."""
+    decision to admit joining nodes, a vote that the stragglers are evicted (eviction.py), and
+    per rank whether it asks to stop and whether its loss or gradients were not finite."""
 
-    HEAD = 3
+    HEAD = 4
 
     def __init__(self, rank: int, world_size: int, device: torch.device):
         self.rank, self.world_size = rank, world_size
@@ -70,7 +71,8 @@ class StepFlags:
                                   device=device)
 
     def write(self, *, checkpoint_failed: bool, leave_vote: bool, stop: bool,
-              nonfinite: torch.Tensor, admit: bool = False) -> torch.Tensor:
+              nonfinite: torch.Tensor, admit: bool = False,
+              evict_vote: bool = False) -> torch.Tensor:
         flags, head = self.tensor, self.HEAD
         flags.zero_()
         if checkpoint_failed:
@@ -79,18 +81,20 @@ class StepFlags:
             flags[1].fill_(1)
         if admit:
             flags[2].fill_(1)
+        if evict_vote:
+            flags[3].fill_(1)
         if stop:
             flags[head + self.rank].fill_(1)
         flags[head + self.world_size + self.rank].copy_(nonfinite)
         return flags
 
-    def read(self, summed: list[float]) -> tuple[bool, bool, bool, list[int], list[int]]:
+    def read(self, summed: list[float]) -> tuple[bool, bool, bool, bool, list[int], list[int]]:
         """(a save failed, some rank voted to let the stopping ranks leave, rank 0 admits
-        joining nodes, the ranks asking to stop, the ranks whose values were not finite) from
-        the summed flags."""
+        joining nodes, some rank voted to evict the stragglers, the ranks asking to stop, the
+        ranks whose values were not finite) from the summed flags."""
         head, size = self.HEAD, self.world_size
         stops, nonfinite = summed[head:head + size], summed[head + size:head + 2 * size]
-        return (summed[0] > 0, summed[1] > 0, summed[2] > 0,
+        return (summed[0] > 0, summed[1] > 0, summed[2] > 0, summed[3] > 0,
                 [r for r, v in enumerate(stops) if v > 0],
                 [r for r, v in enumerate(nonfinite) if v > 0])
 
@@ -150,6 +154,7 @@ class Trainer:
         self.shares_said_for = 0
         self.pace = Pace(device)
         self.balance = step_shares(cfg)  # who computes which micro-batch: balance.py
+        self.eviction = Eviction(cfg)  # --evict-slower-than: eviction.py
         self.regroup = Regroup(self.membership, self.engine, self.bn_stats, self.optimizer,
                                device, self.progress, self.state, self.load_state)
         self.take(writers or Writers())
@@ -171,6 +176,7 @@ class Trainer:
         self.report.enter(self.env, self.restart_generation, self.writers, self.comm)
         self.pace.enter(self.env, self.writers, self.membership)
         self.balance.enter(self.env, self.writers)
+        self.eviction.enter(self.env, self.writers, self.membership)
         self.say_shares()
 
     def say_shares(self) -> None:
@@ -237,8 +243,11 @@ class Trainer:
                 return "preempted"
             if self.env.rank in result.leavers:
                 return "left"
-            if result.leavers:
-                self.recover(why="left", suspects=tuple(result.leavers))
+            if self.env.rank in result.evicted:
+                return "evicted"
+            if result.leavers or result.evicted:
+                self.recover(why="left" if result.leavers else "evicted",
+                             suspects=tuple(sorted({*result.leavers, *result.evicted})))
             elif result.admit and not self.done():
                 self.grow()
 
@@ -266,6 +275,10 @@ class Trainer:
         its place and the job's state (regroup.py); None once it has, else why it did not
         ('left' when asked to stop, 'unadmitted' when the job ended first, 'stopped' when it
         stopped beating first)."""
+        held = Probation(self.cfg, self.train_data, self.device).wait(
+            self.membership, lambda: stop.requested, self.membership.admissions.over)
+        if held is not None:
+            return held
         self.membership.ready()
         admission = self.membership.wait_admission(lambda: stop.requested)
         if isinstance(admission, str):
@@ -306,10 +319,13 @@ class Trainer:
             self.count_nonfinite(result)
             self.pace.observe(self.progress.step, self.balance.at_equal_shares(result))
             self.balance.follow(self.progress.step, self.pace.detector)
+            self.eviction.follow(self.pace.detector)
+            result.evicted = self.eviction.decide(self.progress.step, result.evict_voted,
+                                                  self.pace.detector)
             self.report.step(result, epoch_ended, changed)
         if epoch_ended or self.done():
             self.report.evaluation()
-        if self.env.rank not in result.leavers:  # a rank 0 that leaves hands its save on
+        if self.env.rank not in result.leavers + result.evicted:  # one that leaves hands it on
             self.maybe_checkpoint(epoch_ended, final=self.done() or result.stop_requested)
         return result
 
@@ -379,14 +395,15 @@ class Trainer:
         # peers as long as the collective's own (marks nest: NCCL blocks in the read).
         flags = self.flags.write(checkpoint_failed=w.checkpointer.failed,
                                  leave_vote=self.regroup.leave_vote(), stop=stop_requested,
-                                 nonfinite=nonfinite, admit=self.membership.admission_due())
+                                 nonfinite=nonfinite, admit=self.membership.admission_due(),
+                                 evict_vote=self.eviction.vote())
         times = self.pace.write(compute_s)
         packed = torch.cat([loss_sum.view(1), correct.view(1), flags, times,
                             self.bn_stats.local_sums(self.device)])
         head = 2 + flags.numel() + times.numel()
         with self.comm.waiting():
             loss_total, correct_total, *summed = self.comm.all_reduce_(packed)[:head].tolist()
-        checkpoint_failed, leave_voted, admit, stopping, nonfinite_ranks = \
+        checkpoint_failed, leave_voted, admit, evict_voted, stopping, nonfinite_ranks = \
             self.flags.read(summed)
 
         # Apply, or skip on every rank alike: no update, statistics as they were.
@@ -404,7 +421,8 @@ class Trainer:
                           samples=len(batch), stop_requested=everyone_stops,
                           seconds=time.perf_counter() - step_start, data_wait_s=data_wait,
                           nonfinite_ranks=nonfinite_ranks, checkpoint_failed=checkpoint_failed,
-                          leavers=leavers, admit=admit, compute_s=summed[flags.numel():])
+                          leavers=leavers, admit=admit, evict_voted=evict_voted,
+                          compute_s=summed[flags.numel():])
 
     def advance(self, samples: int) -> bool:
         """Moves the cursor past a completed step; True if that step ended the epoch."""

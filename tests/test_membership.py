@@ -993,12 +993,13 @@ def test_the_step_flags_are_written_in_place_and_read_back_summed():
     assert ranks[1].write(checkpoint_failed=False, leave_vote=False, stop=True,
                           nonfinite=torch.tensor(False)) is tensor  # allocated once
     total = sum(flags.write(checkpoint_failed=rank == 0, leave_vote=rank == 2, stop=rank != 1,
-                            nonfinite=torch.tensor(rank == 2), admit=rank == 0).clone()
+                            nonfinite=torch.tensor(rank == 2), admit=rank == 0,
+                            evict_vote=rank == 1).clone()
                 for rank, flags in enumerate(ranks))
-    assert ranks[0].read(total.tolist()) == (True, True, True, [0, 2], [2])
+    assert ranks[0].read(total.tolist()) == (True, True, True, True, [0, 2], [2])
     alone = sum(flags.write(checkpoint_failed=False, leave_vote=False, stop=False,
                             nonfinite=torch.tensor(False)).clone() for flags in ranks)
-    assert ranks[2].read(alone.tolist()) == (False, False, False, [], [])
+    assert ranks[2].read(alone.tolist()) == (False, False, False, False, [], [])
 
 
 def test_the_rendezvous_is_read_from_the_agent_command_line():

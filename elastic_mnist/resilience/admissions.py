@@ -274,6 +274,15 @@ class Admissions:
                     json.dumps(asdict(m.identity)))
         self.records.mark_ready(self.round, join, m.env.local_rank)
 
+    def over(self) -> str | None:
+        """Why no admission will come, as the job's record says (a joining worker that is not
+        yet ready asks, eviction.py): ``unadmitted`` when the job finished, ``stopped`` when it
+        was restarted as a whole since; else None."""
+        job = self.records.job()
+        if job is not None and job.finished:
+            return "unadmitted"
+        return "stopped" if job is None or job.launch != self.member.launch else None
+
     def wait(self, join: int, stopping: Callable[[], bool]) -> dict[str, Any] | str:
         """The admission of join ``join`` (its ``admitted`` record), or why none will come:
         ``left`` when this worker was asked to stop, ``unadmitted`` when the job finished first,

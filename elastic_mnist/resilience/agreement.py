@@ -31,8 +31,9 @@ that a node lost inside a recovery may add to it."""
 LOOK_S, AWAY_S = 0.005, 2.0
 """How often a watcher of a change looks whether the survivors have checked in; a look that
 took longer than AWAY_S (the store away: store_wait.py) counts no longer against the limit."""
-WHY = ("died", "left", "hung")
-"""Why ranks went: their connections closed; they asked to stop; they stopped making progress."""
+WHY = ("died", "left", "hung", "evicted")
+"""Why ranks went: their connections closed; they asked to stop; they stopped making progress;
+they were let go as too slow (eviction.py)."""
 
 
 def generation_key(generation: int, name: str) -> str:

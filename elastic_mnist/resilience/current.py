@@ -90,7 +90,7 @@ class CurrentGeneration:
             fault = Fault(**json.loads(store.get(key))) if store.check([key]) else None
         except RuntimeError as e:  # DistStoreError, DistNetworkError: the store went
             return self.dropped_by_file(generation, rank, first_line(e))
-        if fault is not None and fault.why == "left" and rank in fault.suspects:
+        if fault is not None and fault.why in ("left", "evicted") and rank in fault.suspects:
             return None
         return Over(dropped_line(rank, generation, f"the job is at {current['generation']}"),
                     EXIT_DROPPED)

@@ -1,0 +1,202 @@
+"""``--evict-slower-than F``: a node that stays F times slower than its peers is let go, in
+process, and comes back by the join path once it is fast again.
+
+A straggler that costs more than it gives (balance.py shares the step around it, but a node 4x
+slow still holds a share) leaves the job as a lost node would: nobody restarts. The rule, decided
+alike on every rank:
+
+- a rank is a *candidate* while pace.py's detector names it a straggler and its factor (its pace
+  over its peers' median) is ``F`` or more; each rank notes, by its own clock, since when;
+- a rank votes, in the next step's one collective (the trainer's flags), once some candidate has
+  been one for ``--evict-after`` seconds; the vote is summed, so every rank learns it at the same
+  step, and the candidates are what the detector says, which every rank builds from the same
+  summed times;
+- the ranks evicted are every rank of the candidates' nodes (a node's agent restarts all of its
+  workers when one leaves: torchrun's way), never all of the job's; they leave after that step
+  (``evicted``), the others go on without them (a change of membership, why ``evicted``).
+
+The eviction is said in a log line and an ``evicted`` record of events.jsonl (rank 0), and kept
+in the launch's store under ``evicted/<host>/<agent pid>`` (:func:`record_key`) for the node's
+next workers: its agent restarts them (the worker's exit status is EXIT_DROPPED), they join by the
+join path, and before they say they are ready each one is on probation (:class:`Probation`): it
+times the forward and backward passes of a few micro-batches on a copy of its model, every
+:data:`PROBE_EVERY_S`, against the peers' pace at the eviction, and asks to join only once it is
+under pace.SLOW of it (where the detector would not name it) :data:`PROBES` times in a row.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+
+from elastic_mnist.model import build_model
+from elastic_mnist.pace import SLOW
+from elastic_mnist.resilience.agreement import UNKNOWN
+
+if TYPE_CHECKING:
+    from elastic_mnist.config import TrainConfig
+    from elastic_mnist.data.datasets import Digits
+    from elastic_mnist.env import DistEnv
+    from elastic_mnist.pace import StragglerDetector
+    from elastic_mnist.resilience.faces import NullMembership
+    from elastic_mnist.writers import Writers
+
+log = logging.getLogger(__name__)
+
+PROBE_EVERY_S = 1.0
+"""How often a worker on probation times itself."""
+PROBE_MICRO_BATCHES = 4
+"""Micro-batches of one probe: the mean of their forward and backward passes is its pace."""
+PROBES = 3
+"""Probes in a row under pace.SLOW of the peers' pace before the worker asks to join: a node
+back under SLOW is not named a straggler, nor evicted again, unless it slows again."""
+
+
+def record_key(host: str, agent: int) -> str:
+    """Where, in the launch's store, the eviction of the node of ``host``'s agent ``agent`` is
+    kept for its next workers."""
+    return f"evicted/{host}/{agent}"
+
+
+class Eviction:
+    """The loop's face to ``--evict-slower-than``: the candidates, this rank's vote, and the
+    ranks that leave."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.factor = cfg.run.evict_slower_than
+        self.after_s = cfg.run.evict_after
+        self.per_step = math.ceil(cfg.optim.global_batch_size / cfg.optim.micro_batch_size)
+        self.since: dict[int, float] = {}
+
+    def enter(self, env: DistEnv, writers: Writers, membership: NullMembership) -> None:
+        """A new world: no candidates (the detector starts afresh too)."""
+        self.env, self.writers, self.membership = env, writers, membership
+        self.active = self.factor > 0 and membership.in_process and env.world_size > 1
+        self.since = {}
+
+    def follow(self, detector: StragglerDetector) -> None:
+        """After the detector judged a step: who is a candidate, and since when."""
+        if not self.active or detector.last is None:
+            return
+        factors = detector.last[0]
+        now = time.monotonic()
+        self.since = {r: self.since.get(r, now) for r in sorted(detector.named)
+                      if factors[r] >= self.factor}
+
+    def vote(self) -> bool:
+        """This rank's vote, in the next step's collective: a candidate has been one long enough
+        by this rank's clock."""
+        now = time.monotonic()
+        return any(now - since >= self.after_s for since in self.since.values())
+
+    def decide(self, step: int, voted: bool, detector: StragglerDetector) -> list[int]:
+        """The ranks that leave after ``step``: every rank of the candidates' nodes, where some
+        rank voted (none where that would be every rank); said, and kept for the nodes."""
+        if not (self.active and voted and self.since):
+            return []
+        known = self.membership.known  # type: ignore[attr-defined]
+        identities = known.read()
+        if UNKNOWN in identities.values():  # read before every rank had said who it is
+            identities = known.read(again=True)
+        nodes = {identities[r].node for r in self.since}
+        ranks = [r for r in sorted(identities) if identities[r].node in nodes]
+        if len(ranks) >= self.env.world_size:
+            return []
+        factors, _, peers = detector.last
+        slowest = max(self.since, key=lambda r: factors[r])
+        record = {"step": step, "ranks": ranks, "named": sorted(self.since),
+                  "hosts": sorted({host for host, _ in nodes}),
+                  "factor": round(factors[slowest], 3),
+                  "factors": [round(factors[r], 3) for r in sorted(self.since)],
+                  "slower_than": self.factor, "after_s": self.after_s,
+                  "for_s": round(time.monotonic() - min(self.since.values()), 1),
+                  "median_s": round(peers[slowest], 6),
+                  "micro_batch_s": peers[slowest] * self.env.world_size / self.per_step}
+        if self.env.is_main:
+            log.warning("step %d: evicting %s (rank(s) %s): %.2fx slower than its peers' median "
+                        "for %.0f s (--evict-slower-than %g --evict-after %g); the others go on "
+                        "without it, and it comes back once it is fast again", step,
+                        ", ".join(record["hosts"]), ", ".join(map(str, ranks)), record["factor"],
+                        record["for_s"], self.factor, self.after_s)
+        self.writers.events.emit("evicted", step, **{k: v for k, v in record.items()
+                                                     if k != "step"})
+        if self.env.rank in ranks and self.env.local_rank == 0:
+            me = self.membership.identity  # type: ignore[attr-defined]
+            try:  # for the node's next workers (Probation); without it they join untried
+                self.membership.store.set(record_key(*me.node), json.dumps(record))  # type: ignore[attr-defined]
+            except RuntimeError as e:
+                log.warning("could not keep this node's eviction for its next workers: %s", e)
+        return ranks
+
+
+class Probation:
+    """A joining worker of a node the job evicted: it asks to join only once it is fast again."""
+
+    def __init__(self, cfg: TrainConfig, data: Digits, device: torch.device):
+        self.cfg, self.data, self.device = cfg, data, device
+
+    def wait(self, membership: NullMembership, stopping: Callable[[], bool],
+             over: Callable[[], str | None]) -> str | None:
+        """None once this worker may ask to join (at once where its node was not evicted);
+        else why it will not: ``left`` (asked to stop), or ``over()``'s answer (the job
+        finished, or was restarted as a whole)."""
+        m: Any = membership
+        key = record_key(*m.identity.node)
+        try:
+            if not m.store.check([key]):
+                return None
+            record = json.loads(m.store.get(key))
+        except RuntimeError:
+            return None  # the store will say so at the join
+        target = record["micro_batch_s"]
+        if m.env.local_rank == 0:
+            log.warning("this node was evicted at step %d (%.2fx slower than its peers): on "
+                        "probation until its pace is under %.1fx theirs (%.1f ms a micro-batch) "
+                        "%d times in a row", record["step"], record["factor"], SLOW,
+                        1e3 * target, PROBES)
+        in_a_row, probes, probe = 0, 0, self.prober()
+        while in_a_row < PROBES:
+            if stopping():
+                return "left"
+            why = over()
+            if why is not None:
+                return why
+            began = time.monotonic()
+            factor = probe() / target
+            probes += 1
+            in_a_row = in_a_row + 1 if factor < SLOW else 0
+            log.info("probation: %.2fx the peers' pace", factor)
+            time.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - began)))
+        if m.env.local_rank == 0:
+            log.warning("fast again after %d probes (under %.1fx its peers' pace %d times in a "
+                        "row): asking to join", probes, SLOW, PROBES)
+        return None
+
+    def prober(self) -> Callable[[], float]:
+        """One probe: the seconds of a micro-batch's forward and backward passes, the mean of
+        PROBE_MICRO_BATCHES, on a model of its own (the job's, hooked for its statistics, is not
+        touched), as the step times them (pace.py): data fetch included."""
+        net = build_model(self.cfg.optim.seed).to(self.device).train()
+        if self.cfg.run.channels_last:
+            net.to(memory_format=torch.channels_last)
+        count = min(self.cfg.optim.micro_batch_size, len(self.data))
+
+        def probe() -> float:
+            began = time.perf_counter()
+            for i in range(PROBE_MICRO_BATCHES):
+                indices = torch.arange(i * count, (i + 1) * count, device=self.device) \
+                    % len(self.data)
+                images, labels = self.data.batch(indices)
+                F.cross_entropy(net(images), labels, reduction="sum").backward()
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            net.zero_grad(set_to_none=True)
+            return (time.perf_counter() - began) / PROBE_MICRO_BATCHES
+        return probe
