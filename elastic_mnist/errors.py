@@ -33,8 +33,10 @@ one stops writing and leaves."""
 EXIT_DROPPED = 6
 """This process is no longer one of the job's ranks: the survivors of a fault went on in a
 generation without it (a frozen rank woken), or the rendezvous moved on to a round without its
-agent. It leaves with one line and without writing, whichever of its threads learns it first (a
-writer's fence, its recovery, its watchdog); its agent restarts it into the job."""
+agent, or the job let its node go as a straggler (``--evict-slower-than``, under our
+rendezvous). It leaves with one line and without writing, whichever of its threads learns it
+first (a writer's fence, its recovery, its watchdog, its eviction); its agent restarts it into
+the job."""
 EXIT_GAVE_UP = 7
 """The recovery in process failed (no step within its bound, the coordination store gone with
 nothing to say the others went on without this rank): torchrun restarts the job from its last

@@ -26,6 +26,7 @@ under pace.SLOW of it (where the detector would not name it) :data:`PROBES` time
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -174,6 +175,8 @@ class Probation:
             in_a_row = in_a_row + 1 if factor < SLOW else 0
             log.info("probation: %.2fx the peers' pace", factor)
             time.sleep(max(0.0, PROBE_EVERY_S - (time.monotonic() - began)))
+        with contextlib.suppress(RuntimeError):  # a later restart of the node is no eviction's
+            m.store.delete_key(key)
         if m.env.local_rank == 0:
             log.warning("fast again after %d probes (under %.1fx its peers' pace %d times in a "
                         "row): asking to join", probes, SLOW, PROBES)

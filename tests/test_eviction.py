@@ -143,8 +143,8 @@ def test_the_flags_are_checked_in_one_line():
 
 def test_probation_asks_to_join_once_fast_again_and_stops_with_the_job(monkeypatch):
     """No eviction kept for the node: it asks at once. One kept: it waits until PROBES probes
-    in a row are under pace.FAST of the peers' pace (a slow one in between starts the count
-    again), and gives up when the job is over."""
+    in a row are under pace.SLOW of the peers' pace (a slow one in between starts the count
+    again), then forgets it; and gives up when the job is over or it is asked to stop."""
     monkeypatch.setattr("elastic_mnist.eviction.PROBE_EVERY_S", 0.0)
     member = Member(rank=1, nodes=[0, 1])
     cfg = TrainConfig()
@@ -152,14 +152,16 @@ def test_probation_asks_to_join_once_fast_again_and_stops_with_the_job(monkeypat
     probation = Probation(cfg, data, torch.device("cpu"))
     assert probation.wait(member, lambda: False, lambda: None) is None
 
-    member.store.set(record_key(*member.identity.node),
-                     json.dumps({"step": 7, "factor": 3.0, "micro_batch_s": 0.010}))
+    key = record_key(*member.identity.node)
+    member.store.set(key, json.dumps({"step": 7, "factor": 3.0, "micro_batch_s": 0.010}))
     paces = iter([0.030, 0.011, 0.011, 0.020, 0.011, 0.011, 0.011])
     taken = []
     monkeypatch.setattr(Probation, "prober",
                         lambda self: lambda: taken.append(1) or next(paces))
     assert probation.wait(member, lambda: False, lambda: None) is None
     assert len(taken) == 4 + PROBES  # the count began again after 0.020
+    assert not member.store.check([key])  # passed: a later restart of the node asks at once
+    member.store.set(key, json.dumps({"step": 9, "factor": 3.0, "micro_batch_s": 0.010}))
 
     monkeypatch.setattr(Probation, "prober", lambda self: lambda: 0.030)
     assert probation.wait(member, lambda: False, lambda: "unadmitted") == "unadmitted"
