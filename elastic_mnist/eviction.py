@@ -22,6 +22,9 @@ join path, and before they say they are ready each one is on probation (:class:`
 times the forward and backward passes of a few micro-batches on a copy of its model, every
 :data:`PROBE_EVERY_S`, against the peers' pace at the eviction, and asks to join only once it is
 under pace.SLOW of it (where the detector would not name it) :data:`PROBES` times in a row.
+
+Only under our rendezvous (``--rdzv_backend=elastic-mnist``): under torch's c10d no node can leave
+and come back without every node restarting (:meth:`Eviction.enter` says why).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from elastic_mnist.env import OUR_BACKEND
+from elastic_mnist.errors import EXIT_DROPPED
 from elastic_mnist.model import build_model
 from elastic_mnist.pace import SLOW
 from elastic_mnist.resilience.agreement import UNKNOWN
@@ -75,11 +80,24 @@ class Eviction:
         self.after_s = cfg.run.evict_after
         self.per_step = math.ceil(cfg.optim.global_batch_size / cfg.optim.micro_batch_size)
         self.since: dict[int, float] = {}
+        self.said_off = False
 
     def enter(self, env: DistEnv, writers: Writers, membership: NullMembership) -> None:
-        """A new world: no candidates (the detector starts afresh too)."""
+        """A new world: no candidates (the detector starts afresh too). Only under our
+        rendezvous: under torch's c10d, an evicted node's return restarts every node (a new
+        round), and its end (exit 0) closes the rendezvous once its agent leaves the exit
+        barrier (torch's launcher shuts its handler down), after which no node can come back
+        nor the job restart; and the arrival of its agent there counted twice at the job's end
+        (it arrives, and rank 0 releases the agents a change removed)."""
         self.env, self.writers, self.membership = env, writers, membership
-        self.active = self.factor > 0 and membership.in_process and env.world_size > 1
+        wanted = self.factor > 0 and membership.in_process and env.world_size > 1
+        ours = env.rendezvous is not None and env.rendezvous.backend == OUR_BACKEND
+        if wanted and not ours and env.is_main and not self.said_off:
+            log.warning("--evict-slower-than is off: a node is let go and comes back in process "
+                        "only under --rdzv_backend=elastic-mnist (under c10d its return would "
+                        "restart every node)")
+            self.said_off = True
+        self.active = wanted and ours
         self.since = {}
 
     def follow(self, detector: StragglerDetector) -> None:
@@ -135,6 +153,15 @@ class Eviction:
             except RuntimeError as e:
                 log.warning("could not keep this node's eviction for its next workers: %s", e)
         return ranks
+
+
+def evicted(step: int) -> int:
+    """The line and status of a worker the job let go as a straggler: its agent restarts the
+    node into the job (EXIT_DROPPED), which rejoins in process once fast again (probation)."""
+    log.warning("evicted at step %d as a straggler: the other nodes go on without this one; "
+                "exiting with %d, so that torchrun restarts this node, which rejoins once it is "
+                "fast again", step, EXIT_DROPPED)
+    return EXIT_DROPPED
 
 
 class Probation:

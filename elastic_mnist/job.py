@@ -46,7 +46,6 @@ from elastic_mnist.env import (
 )
 from elastic_mnist.errors import (
     EXIT_CANNOT_SAVE,
-    EXIT_DROPPED,
     EXIT_INTERRUPTED,
     EXIT_PREEMPTED,
     CheckpointWriteError,
@@ -56,6 +55,7 @@ from elastic_mnist.errors import (
     PeerStopped,
     first_line,
 )
+from elastic_mnist.eviction import evicted
 from elastic_mnist.logs import add_file_handler
 from elastic_mnist.metrics import flat_hparams
 from elastic_mnist.resilience.faces import NullMembership
@@ -174,7 +174,7 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
         return EXIT_PREEMPTED
     if outcome == "evicted":  # its record is written (eviction.py): nothing more to say there
         events.close()
-        return evicted(step, env)
+        return evicted(step)
     if outcome != "finished":
         events.emit(outcome, step, signal=stop.signal_name)
         events.close()
@@ -191,23 +191,6 @@ def train_to_the_end(cfg: TrainConfig, env: DistEnv, trainer: Trainer, duties: D
     log.info("finished at step %d", step)
     if trainer.env.is_main:  # rank 0 now: after a change of membership, maybe not at launch
         log.info("%s", where_it_went(cfg, trainer))
-    return 0
-
-
-def evicted(step: int, env: DistEnv) -> int:
-    """The line and status of a worker the job let go as a straggler. Under our rendezvous its
-    agent restarts the node into the job (EXIT_DROPPED), which rejoins in process once fast
-    again (eviction.py's probation); under torch's c10d a node's return restarts every worker
-    (c10d's way), so the node ends there (0): it comes back when it is started again."""
-    rdzv = env.rendezvous
-    if rdzv is not None and rdzv.backend == OUR_BACKEND:
-        log.warning("evicted at step %d as a straggler: the other nodes go on without this one; "
-                    "exiting with %d, so that torchrun restarts this node, which rejoins once "
-                    "it is fast again", step, EXIT_DROPPED)
-        return EXIT_DROPPED
-    log.warning("evicted at step %d as a straggler: the other nodes go on without this one; "
-                "exiting with 0: under torch's c10d rendezvous its return would restart every "
-                "worker, so it comes back only when started again", step)
     return 0
 
 

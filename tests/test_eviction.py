@@ -19,6 +19,7 @@ from launch import REPO, clean_env
 from torch.distributed import HashStore
 
 from elastic_mnist.config import TrainConfig
+from elastic_mnist.env import OUR_BACKEND, Rendezvous
 from elastic_mnist.errors import ConfigError
 from elastic_mnist.eviction import PROBES, Eviction, Probation, record_key
 from elastic_mnist.pace import StragglerDetector
@@ -67,9 +68,11 @@ class Member:
 
 
 class Env:
-    def __init__(self, rank: int, world_size: int, local_rank: int = 0):
+    def __init__(self, rank: int, world_size: int, local_rank: int = 0,
+                 backend: str = OUR_BACKEND):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
         self.is_main = rank == 0
+        self.rendezvous = Rendezvous("localhost", 29400, "job", backend=backend)
 
 
 def slow_detector(world_size: int, slow: dict[int, float], steps: int = 40) -> StragglerDetector:
@@ -130,6 +133,19 @@ def test_under_the_factor_or_before_the_time_nobody_is_evicted():
     e.enter(alone.env, Writers(), alone)
     e.follow(detector)
     assert e.decide(40, voted=True, detector=detector) == []
+
+
+def test_under_torchs_c10d_nobody_is_evicted(caplog):
+    """Under c10d an evicted node's return restarts every node, and its end closes the
+    rendezvous: eviction is off there, said once by rank 0."""
+    member = Member(rank=0, nodes=[0, 0, 1, 1])
+    member.env = Env(0, 4, backend="c10d")
+    e = eviction()
+    for _ in range(2):
+        e.enter(member.env, Writers(), member)
+        e.follow(slow_detector(4, {3: 3.0}))
+        assert not e.vote() and e.decide(40, voted=True, detector=slow_detector(4, {3: 3.0})) == []
+    assert caplog.text.count("--evict-slower-than is off") == 1
 
 
 def test_the_flags_are_checked_in_one_line():
