@@ -6,14 +6,18 @@ slow still holds a share) leaves the job as a lost node would: nobody restarts. 
 alike on every rank:
 
 - a rank is a *candidate* while pace.py's detector names it a straggler and its factor (its pace
-  over its peers' median) is ``F`` or more; each rank notes, by its own clock, since when;
-- a rank votes, in the next step's one collective (the trainer's flags), once some candidate has
-  been one for ``--evict-after`` seconds; the vote is summed, so every rank learns it at the same
-  step, and the candidates are what the detector says, which every rank builds from the same
-  summed times;
-- the ranks evicted are every rank of the candidates' nodes (a node's agent restarts all of its
-  workers when one leaves: torchrun's way), never all of the job's; they leave after that step
-  (``evicted``), the others go on without them (a change of membership, why ``evicted``).
+  over its peers' median) is ``F`` or more; each rank notes since when: the step (the same on
+  every rank) and the time by its own clock;
+- a rank votes, in the next step's one collective (the trainer's flags), once the oldest
+  candidates have been ones for ``--evict-after`` seconds; the vote is summed, so every rank
+  learns it at the same step, and the candidates are what the detector says, which every rank
+  builds from the same summed times;
+- the ranks evicted are every rank of the nodes of the candidates voted for (the oldest at the
+  vote, still candidates after its step; one named meanwhile waits its turn), never all of the
+  job's (a node's agent restarts all of its workers when one leaves: torchrun's way); they leave
+  after that step (``evicted``), the others go on without them (a change of membership, why
+  ``evicted``). Not at a step where the job ends, or where some rank leaves or stops: those come
+  first, and the candidates are judged again in the world that follows.
 
 The eviction is said in a log line and an ``evicted`` record of events.jsonl (rank 0), and kept
 in the launch's store under ``evicted/<host>/<agent pid>`` (:func:`record_key`) for the node's
@@ -41,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 from elastic_mnist.env import OUR_BACKEND
-from elastic_mnist.errors import EXIT_DROPPED
+from elastic_mnist.errors import EXIT_DROPPED, CannotRecover, first_line
 from elastic_mnist.model import build_model
 from elastic_mnist.pace import SLOW
 from elastic_mnist.resilience.agreement import UNKNOWN
@@ -52,6 +56,7 @@ if TYPE_CHECKING:
     from elastic_mnist.env import DistEnv
     from elastic_mnist.pace import StragglerDetector
     from elastic_mnist.resilience.faces import NullMembership
+    from elastic_mnist.step_result import StepResult
     from elastic_mnist.writers import Writers
 
 log = logging.getLogger(__name__)
@@ -79,7 +84,11 @@ class Eviction:
         self.factor = cfg.run.evict_slower_than
         self.after_s = cfg.run.evict_after
         self.per_step = math.ceil(cfg.optim.global_batch_size / cfg.optim.micro_batch_size)
-        self.since: dict[int, float] = {}
+        self.since: dict[int, tuple[int, float]] = {}
+        """Each candidate: the step at which it became one (the same on every rank), and when
+        by this rank's clock."""
+        self.oldest: int | None = None
+        """The step at which the oldest candidates of this rank's last vote became candidates."""
         self.said_off = False
 
     def enter(self, env: DistEnv, writers: Writers, membership: NullMembership) -> None:
@@ -98,44 +107,57 @@ class Eviction:
                         "restart every node)")
             self.said_off = True
         self.active = wanted and ours
-        self.since = {}
+        self.since, self.oldest = {}, None
 
-    def follow(self, detector: StragglerDetector) -> None:
-        """After the detector judged a step: who is a candidate, and since when."""
+    def follow(self, step: int, detector: StragglerDetector) -> None:
+        """After the detector judged ``step``: who is a candidate, and since when."""
         if not self.active or detector.last is None:
             return
         factors = detector.last[0]
-        now = time.monotonic()
+        now = step, time.monotonic()
         self.since = {r: self.since.get(r, now) for r in sorted(detector.named)
                       if factors[r] >= self.factor}
 
     def vote(self) -> bool:
-        """This rank's vote, in the next step's collective: a candidate has been one long enough
-        by this rank's clock."""
+        """This rank's vote, in the next step's collective: the oldest candidates have been
+        ones long enough by this rank's clock. Which they are is noted: the same on every rank."""
+        self.oldest = min((began for began, _ in self.since.values()), default=None)
         now = time.monotonic()
-        return any(now - since >= self.after_s for since in self.since.values())
+        return any(now - noted >= self.after_s for _, noted in self.since.values())
 
-    def decide(self, step: int, voted: bool, detector: StragglerDetector) -> list[int]:
-        """The ranks that leave after ``step``: every rank of the candidates' nodes, where some
-        rank voted (none where that would be every rank); said, and kept for the nodes."""
-        if not (self.active and voted and self.since):
+    def decide(self, step: int, result: StepResult, detector: StragglerDetector,
+               done: bool) -> list[int]:
+        """The ranks that leave after ``step``: every rank of the nodes of the candidates that
+        the vote was for (the oldest then, and still candidates: one named since is not yet old
+        enough), where some rank voted; none where that would be every rank, nor at a step
+        where the job ends or some rank leaves or stops (the eviction waits for a step of its
+        own). Said, and kept for the nodes."""
+        if not (self.active and result.evict_voted and not done and not result.leavers
+                and not result.stop_requested and self.oldest is not None):
+            return []
+        named = sorted(r for r, (began, _) in self.since.items() if began <= self.oldest)
+        if not named:
             return []
         known = self.membership.known  # type: ignore[attr-defined]
-        identities = known.read()
-        if UNKNOWN in identities.values():  # read before every rank had said who it is
-            identities = known.read(again=True)
-        nodes = {identities[r].node for r in self.since}
+        try:
+            identities = known.read()
+            if UNKNOWN in identities.values():  # read before every rank had said who it is
+                identities = known.read(again=True)
+        except RuntimeError as e:  # DistStoreError: this rank cannot tell whom the job lets go
+            raise CannotRecover(f"the coordination store does not answer as the job lets a "
+                                f"straggler go: {first_line(e)}") from None
+        nodes = {identities[r].node for r in named}
         ranks = [r for r in sorted(identities) if identities[r].node in nodes]
         if len(ranks) >= self.env.world_size:
             return []
         factors, _, peers = detector.last
-        slowest = max(self.since, key=lambda r: factors[r])
-        record = {"step": step, "ranks": ranks, "named": sorted(self.since),
+        slowest = max(named, key=lambda r: factors[r])
+        record = {"step": step, "ranks": ranks, "named": named,
                   "hosts": sorted({host for host, _ in nodes}),
                   "factor": round(factors[slowest], 3),
-                  "factors": [round(factors[r], 3) for r in sorted(self.since)],
+                  "factors": [round(factors[r], 3) for r in named],
                   "slower_than": self.factor, "after_s": self.after_s,
-                  "for_s": round(time.monotonic() - min(self.since.values()), 1),
+                  "for_s": round(time.monotonic() - min(self.since[r][1] for r in named), 1),
                   "median_s": round(peers[slowest], 6),
                   "micro_batch_s": peers[slowest] * self.env.world_size / self.per_step}
         if self.env.is_main:

@@ -20,10 +20,11 @@ from torch.distributed import HashStore
 
 from elastic_mnist.config import TrainConfig
 from elastic_mnist.env import OUR_BACKEND, Rendezvous
-from elastic_mnist.errors import ConfigError
+from elastic_mnist.errors import CannotRecover, ConfigError
 from elastic_mnist.eviction import PROBES, Eviction, Probation, record_key
 from elastic_mnist.pace import StragglerDetector
 from elastic_mnist.resilience.agreement import Identity
+from elastic_mnist.step_result import StepResult
 
 sys.path.insert(0, str(REPO / "scripts"))
 import check_audit
@@ -82,6 +83,12 @@ def slow_detector(world_size: int, slow: dict[int, float], steps: int = 40) -> S
     return detector
 
 
+def result_of(voted: bool = True, **fields) -> StepResult:
+    """A completed step's result as every rank reads it: ``voted``, some rank voted to evict."""
+    return StepResult(**{"loss": 0.0, "accuracy": 0.0, "samples": 64, "stop_requested": False,
+                         "evict_voted": voted, **fields})
+
+
 def eviction(factor: float = 2.0, after: float = 0.0) -> Eviction:
     cfg = TrainConfig()
     cfg.run.evict_slower_than, cfg.run.evict_after = factor, after
@@ -99,10 +106,10 @@ def test_a_straggler_over_the_factor_takes_its_whole_node_and_nobody_else():
     e, writers = eviction(), Writers()
     e.enter(member.env, writers, member)
     assert not e.vote()
-    e.follow(detector)
+    e.follow(40, detector)
     assert e.vote()
-    assert e.decide(40, voted=False, detector=detector) == []  # nobody voted: nobody leaves
-    assert e.decide(40, voted=True, detector=detector) == [2, 3]
+    assert e.decide(40, result_of(False), detector, done=False) == []  # nobody voted: nobody leaves
+    assert e.decide(40, result_of(True), detector, done=False) == [2, 3]
     (kind, step, fields), = writers.events.emitted
     assert (kind, step, fields["ranks"], fields["named"], fields["hosts"]) == \
         ("evicted", 40, [2, 3], [3], ["host1"])
@@ -119,20 +126,64 @@ def test_under_the_factor_or_before_the_time_nobody_is_evicted():
     member = Member(rank=0, nodes=[0, 0, 1, 1])
     e = eviction(factor=3.0)
     e.enter(member.env, Writers(), member)
-    e.follow(detector)
+    e.follow(40, detector)
     assert set(detector.named) == {3} and not e.since and not e.vote()
 
     detector = slow_detector(4, {3: 4.0})
     e = eviction(factor=3.0, after=60.0)
     e.enter(member.env, Writers(), member)
-    e.follow(detector)
+    e.follow(40, detector)
     assert list(e.since) == [3] and not e.vote()
 
     alone = Member(rank=0, nodes=[0, 0, 0, 0])
     e = eviction()
     e.enter(alone.env, Writers(), alone)
-    e.follow(detector)
-    assert e.decide(40, voted=True, detector=detector) == []
+    e.follow(40, detector)
+    assert e.vote() and e.decide(40, result_of(True), detector, done=False) == []
+
+
+def test_the_vote_is_for_the_oldest_candidates_and_waits_for_a_step_of_its_own():
+    """Ranks vote for rank 3, a candidate since step 40; at step 41, where the vote is
+    counted, rank 5 is named too: only rank 3's node leaves (rank 5 has been one for no time).
+    Where rank 3 is no candidate any more by then, nobody leaves. Nor at the job's last step,
+    nor at a step where some rank leaves or every rank stops."""
+    member = Member(rank=0, nodes=[0, 0, 1, 1, 2, 2])
+    one, both = slow_detector(6, {3: 3.0}), slow_detector(6, {3: 3.0, 5: 3.0})
+    assert set(both.named) == {3, 5}
+    e = eviction()
+    e.enter(member.env, Writers(), member)
+    e.follow(40, one)
+    assert e.vote()
+    e.follow(41, both)
+    assert e.decide(41, result_of(True), both, done=False) == [2, 3]
+
+    e.enter(member.env, Writers(), member)
+    e.follow(40, one)
+    assert e.vote()
+    e.follow(41, slow_detector(6, {5: 3.0}))
+    assert e.decide(41, result_of(True), both, done=False) == []
+
+    for result, done in ((result_of(), True), (result_of(leavers=[0]), False),
+                         (result_of(stop_requested=True), False)):
+        e.enter(member.env, Writers(), member)
+        e.follow(40, one)
+        assert e.vote() and e.decide(41, result, one, done=done) == []
+
+
+def test_a_store_that_does_not_answer_as_the_job_evicts_is_one_line():
+    """A rank that cannot read who the candidates' nodes are gives up on going on in process
+    (CannotRecover: one line, EXIT_GAVE_UP) rather than with a traceback."""
+    def silent(again: bool = False):
+        raise RuntimeError("timeout: the store did not answer")
+
+    member = Member(rank=1, nodes=[0, 0, 1, 1])
+    member.known.read = silent
+    detector, e = slow_detector(4, {3: 3.0}), eviction()
+    e.enter(member.env, Writers(), member)
+    e.follow(40, detector)
+    assert e.vote()
+    with pytest.raises(CannotRecover, match="does not answer as the job lets a straggler go"):
+        e.decide(40, result_of(True), detector, done=False)
 
 
 def test_under_torchs_c10d_nobody_is_evicted(caplog):
@@ -143,8 +194,9 @@ def test_under_torchs_c10d_nobody_is_evicted(caplog):
     e = eviction()
     for _ in range(2):
         e.enter(member.env, Writers(), member)
-        e.follow(slow_detector(4, {3: 3.0}))
-        assert not e.vote() and e.decide(40, voted=True, detector=slow_detector(4, {3: 3.0})) == []
+        e.follow(40, slow_detector(4, {3: 3.0}))
+        assert not e.vote()
+        assert e.decide(40, result_of(True), slow_detector(4, {3: 3.0}), done=False) == []
     assert caplog.text.count("--evict-slower-than is off") == 1
 
 
