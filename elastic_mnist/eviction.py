@@ -197,6 +197,8 @@ class Probation:
         """None once this worker may ask to join (at once where its node was not evicted);
         else why it will not: ``left`` (asked to stop), or ``over()``'s answer (the job
         finished, or was restarted as a whole)."""
+        if self.cfg.run.evict_slower_than <= 0:  # nobody is evicted: no store call at a join
+            return None
         m: Any = membership
         key = record_key(*m.identity.node)
         try:

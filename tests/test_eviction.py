@@ -216,6 +216,7 @@ def test_probation_asks_to_join_once_fast_again_and_stops_with_the_job(monkeypat
     monkeypatch.setattr("elastic_mnist.eviction.PROBE_EVERY_S", 0.0)
     member = Member(rank=1, nodes=[0, 1])
     cfg = TrainConfig()
+    cfg.run.evict_slower_than = 2.0
     data = type("Digits", (), {"__len__": lambda self: 64})()
     probation = Probation(cfg, data, torch.device("cpu"))
     assert probation.wait(member, lambda: False, lambda: None) is None
@@ -234,6 +235,8 @@ def test_probation_asks_to_join_once_fast_again_and_stops_with_the_job(monkeypat
     monkeypatch.setattr(Probation, "prober", lambda self: lambda: 0.030)
     assert probation.wait(member, lambda: False, lambda: "unadmitted") == "unadmitted"
     assert probation.wait(member, lambda: True, lambda: None) == "left"
+    cfg.run.evict_slower_than = 0.0  # off: a kept record is not even read
+    assert probation.wait(member, lambda: True, lambda: None) is None
 
 
 class DutyCycle(threading.Thread):
