@@ -13,9 +13,10 @@ PORT           ?= 6006
 CHAOS_ARGS     ?=
 CHURN_ARGS     ?=
 PARTITIONS_ARGS ?=
+STRAGGLERS_ARGS ?=
 SCALE_ARGS     ?=
 
-.PHONY: install train test test-harness test-fast test-torch211 tensorboard chaos chaos32 churn partitions scale \
+.PHONY: install train test test-harness test-fast test-torch211 tensorboard chaos chaos32 churn partitions stragglers scale \
 	recovery-soak lint clean bench slurm-check help
 
 install: $(STAMP)  ## create .venv (torch, this package, test tools): every target does it first
@@ -120,6 +121,14 @@ churn: $(STAMP)  ## 3 nodes × 2 workers, a fault every 20-30 s for 10 minutes
 # PARTITIONS_ARGS="--readme-section partitions" writes the table into docs/recovery.md.
 partitions: $(STAMP)  ## 3 nodes × 2 workers, each a host of its own: links cut, slowed, healed
 	$(BIN)/python scripts/partitions.py $(PARTITIONS_ARGS)
+
+# One node of 3 × 2 slowed 1.5x, 2x and 4x (its share of the cores cut, by SIGSTOP and SIGCONT;
+# and its data link slowed by tc tbf where hosts of their own can be had): the job's throughput
+# without mitigation, with --balance, and the ideal, a pair of runs a slowdown; the seconds to
+# detection and exactly-once (about half an hour on 2 cores). Writes docs/stragglers.png;
+# STRAGGLERS_ARGS="--factors 2 --no-tbf" runs one pair (7 minutes).
+stragglers: $(STAMP)  ## 3 nodes × 2 workers, one slowed: what --balance wins back
+	$(BIN)/python scripts/stragglers.py --plot docs/stragglers.png $(STRAGGLERS_ARGS)
 
 # The card's shape's node loss again and again: 4 nodes of 8 workers, a node SIGKILLed, REPEATS
 # times (about 2 minutes each on 2 cores); each run recovered in process, or the phase of the
