@@ -39,6 +39,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,7 +49,7 @@ from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import EXIT_DROPPED, CannotRecover, first_line
 from elastic_mnist.model import build_model
 from elastic_mnist.pace import SLOW
-from elastic_mnist.resilience.agreement import UNKNOWN
+from elastic_mnist.resilience.agreement import UNKNOWN, Identity, read_present
 
 if TYPE_CHECKING:
     from elastic_mnist.config import TrainConfig
@@ -138,11 +139,8 @@ class Eviction:
         named = sorted(r for r, (began, _) in self.since.items() if began <= self.oldest)
         if not named:
             return []
-        known = self.membership.known  # type: ignore[attr-defined]
         try:
-            identities = known.read()
-            if UNKNOWN in identities.values():  # read before every rank had said who it is
-                identities = known.read(again=True)
+            identities = self.around(named)
         except RuntimeError as e:  # DistStoreError: this rank cannot tell whom the job lets go
             raise CannotRecover(f"the coordination store does not answer as the job lets a "
                                 f"straggler go: {first_line(e)}") from None
@@ -177,6 +175,24 @@ class Eviction:
         return ranks
 
 
+    def around(self, named: list[int]) -> dict[int, Identity]:
+        """The identities of the ranks that may share a node with ``named``: the generation's,
+        where this rank read them already (a watcher), else those within a node's size of each
+        (torchrun numbers ranks node by node, every change keeps their order, and every node of
+        our rendezvous has as many workers): a few reads, where every rank reading every
+        identity was W² of them."""
+        known = self.membership.known  # type: ignore[attr-defined]
+        if known.ready and UNKNOWN not in known.read().values():
+            return known.read()
+        span, size = self.env.local_world_size, self.env.world_size
+        wanted = sorted({q for r in named for q in range(max(0, r - span + 1),
+                                                          min(size, r + span))})
+        keys = [self.membership.key(f"id/{q}") for q in wanted]  # type: ignore[attr-defined]
+        found = read_present(self.membership.store, keys)  # type: ignore[attr-defined]
+        return {q: Identity(**json.loads(found[key])) for q, key in zip(wanted, keys)
+                if key in found}
+
+
 def evicted(step: int) -> int:
     """The line and status of a worker the job let go as a straggler: its agent restarts the
     node into the job (EXIT_DROPPED), which rejoins in process once fast again (probation)."""
@@ -195,8 +211,8 @@ class Probation:
     def wait(self, membership: NullMembership, stopping: Callable[[], bool],
              over: Callable[[], str | None]) -> str | None:
         """None once this worker may ask to join (at once where its node was not evicted);
-        else why it will not: ``left`` (asked to stop), or ``over()``'s answer (the job
-        finished, or was restarted as a whole)."""
+        else why it will not: ``left`` (asked to stop), or ``over()``'s answer (a look at the
+        job, once a probe: it finished, was restarted as a whole, or its beat stood still)."""
         if self.cfg.run.evict_slower_than <= 0:  # nobody is evicted: no store call at a join
             return None
         m: Any = membership
@@ -241,6 +257,8 @@ class Probation:
         if self.cfg.run.channels_last:
             net.to(memory_format=torch.channels_last)
         count = min(self.cfg.optim.micro_batch_size, len(self.data))
+        autocast = partial(torch.autocast, self.device.type, dtype=torch.bfloat16,  # the step's
+                           enabled=self.cfg.run.precision == "bf16")
 
         def probe() -> float:
             began = time.perf_counter()
@@ -248,7 +266,9 @@ class Probation:
                 indices = torch.arange(i * count, (i + 1) * count, device=self.device) \
                     % len(self.data)
                 images, labels = self.data.batch(indices)
-                F.cross_entropy(net(images), labels, reduction="sum").backward()
+                with autocast():
+                    loss = F.cross_entropy(net(images), labels, reduction="sum")
+                loss.backward()
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             net.zero_grad(set_to_none=True)

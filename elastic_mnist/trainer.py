@@ -276,7 +276,7 @@ class Trainer:
         ('left' when asked to stop, 'unadmitted' when the job ended first, 'stopped' when it
         stopped beating first)."""
         held = Probation(self.cfg, self.train_data, self.device).wait(
-            self.membership, lambda: stop.requested, self.membership.admissions.over)
+            self.membership, lambda: stop.requested, self.membership.admissions.watch())
         if held is not None:
             return held
         self.membership.ready()

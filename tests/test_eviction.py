@@ -4,6 +4,7 @@ a store, and one real job: two nodes under jobs/node.sh, one of them slowed from
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -48,8 +49,8 @@ class Writers:
 class Known:
     """A generation's identities, as ``Membership.known`` gives them."""
 
-    def __init__(self, identities: dict[int, Identity]):
-        self.identities = identities
+    def __init__(self, identities: dict[int, Identity], ready: bool = True):
+        self.identities, self.ready = identities, ready
 
     def read(self, again: bool = False) -> dict[int, Identity]:
         return self.identities
@@ -60,18 +61,27 @@ class Member:
 
     in_process = True
 
-    def __init__(self, rank: int, nodes: list[int], local_rank: int = 0):
-        self.known = Known({r: Identity(f"host{n}", 100 + r, 10 + n, r % 2, serial=n)
-                            for r, n in enumerate(nodes)})
-        self.identity = self.known.identities[rank]
+    def __init__(self, rank: int, nodes: list[int], local_rank: int = 0, read: bool = True):
+        """``read``: whether this rank read the generation's identities already (a watcher);
+        either way every rank's is in the store."""
+        identities = {r: Identity(f"host{n}", 100 + r, 10 + n, r % 2, serial=n)
+                      for r, n in enumerate(nodes)}
+        self.known = Known(identities, ready=read)
+        self.identity = identities[rank]
         self.store = HashStore()
-        self.env = Env(rank, len(nodes), local_rank)
+        for r, identity in identities.items():
+            self.store.set(self.key(f"id/{r}"), json.dumps(dataclasses.asdict(identity)))
+        self.env = Env(rank, len(nodes), local_rank, local_world_size=nodes.count(nodes[rank]))
+
+    def key(self, name: str) -> str:
+        return f"g0/{name}"
 
 
 class Env:
     def __init__(self, rank: int, world_size: int, local_rank: int = 0,
-                 backend: str = OUR_BACKEND):
+                 backend: str = OUR_BACKEND, local_world_size: int = 1):
         self.rank, self.world_size, self.local_rank = rank, world_size, local_rank
+        self.local_world_size = local_world_size
         self.is_main = rank == 0
         self.rendezvous = Rendezvous("localhost", 29400, "job", backend=backend)
 
@@ -117,6 +127,18 @@ def test_a_straggler_over_the_factor_takes_its_whole_node_and_nobody_else():
     assert fields["micro_batch_s"] == pytest.approx(0.01 * 4 / 4)  # W / micro-batches a step
     kept = json.loads(member.store.get(record_key("host1", 11)))
     assert kept["step"] == 40 and kept["micro_batch_s"] == fields["micro_batch_s"]
+
+
+def test_a_rank_that_has_not_read_the_identities_reads_a_nodes_size_around_each_named():
+    """Where this rank did not read the generation's identities (it is no watcher), it reads
+    those within a node's size of the named rank, and takes the same whole node."""
+    detector = slow_detector(6, {4: 3.0})
+    member = Member(rank=0, nodes=[0, 0, 1, 1, 2, 2], read=False)
+    member.known.read = lambda again=False: pytest.fail("read every identity")
+    e = eviction()
+    e.enter(member.env, Writers(), member)
+    e.follow(40, detector)
+    assert e.vote() and e.decide(40, result_of(True), detector, done=False) == [4, 5]
 
 
 def test_under_the_factor_or_before_the_time_nobody_is_evicted():

@@ -274,32 +274,17 @@ class Admissions:
                     json.dumps(asdict(m.identity)))
         self.records.mark_ready(self.round, join, m.env.local_rank)
 
-    def over(self) -> str | None:
-        """Why no admission will come, as the job's record says (a joining worker that is not
-        yet ready asks, eviction.py): ``unadmitted`` when the job finished, ``stopped`` when it
-        was restarted as a whole since; else None."""
-        job = self.records.job()
-        if job is not None and job.finished:
-            return "unadmitted"
-        return "stopped" if job is None or job.launch != self.member.launch else None
-
-    def wait(self, join: int, stopping: Callable[[], bool]) -> dict[str, Any] | str:
-        """The admission of join ``join`` (its ``admitted`` record), or why none will come:
-        ``left`` when this worker was asked to stop, ``unadmitted`` when the job finished first,
-        ``stopped`` when it was restarted as a whole (another launch), or its beat stood still
-        while this worker's own pulse moved for the membership's bound (stopped as a whole, or
-        lost): a restart then brings this node in with the others."""
-        m = self.member
-        key, connection = join_key(self.round, join, "admitted"), m.connections.declare
+    def watch(self) -> Callable[[], str | None]:
+        """Looks at the job for a joining worker that waits (for its admission, or on probation:
+        eviction.py), one look a call: ``unadmitted`` when the job finished, ``stopped`` when it
+        was restarted as a whole (another launch), or its beat stood still while this worker's
+        own pulse moved for the membership's bound (stopped as a whole, or lost: a restart then
+        brings this node in with the others); else None."""
+        m, connection = self.member, self.member.connections.declare
         beat, moved_at = -1, 0  # the job's beat, and this worker's own pulse when it moved
-        looked = -float("inf")
-        while not connection.check([key]):
-            time.sleep(ADMITTED_S)
-            if time.monotonic() - looked < CHECK_S:
-                continue
-            looked = time.monotonic()
-            if stopping():
-                return "left"
+
+        def look() -> str | None:
+            nonlocal beat, moved_at
             job = self.records.job()
             if job is not None and job.finished:
                 return "unadmitted"
@@ -308,6 +293,24 @@ class Admissions:
                 beat, moved_at = now, own
             if job is None or job.launch != m.launch or own - moved_at >= m.bound_s / PULSE_S:
                 return "stopped"
+            return None
+        return look
+
+    def wait(self, join: int, stopping: Callable[[], bool]) -> dict[str, Any] | str:
+        """The admission of join ``join`` (its ``admitted`` record), or why none will come:
+        ``left`` when this worker was asked to stop, else :meth:`watch`'s answer."""
+        key, connection = join_key(self.round, join, "admitted"), self.member.connections.declare
+        look, looked = self.watch(), -float("inf")
+        while not connection.check([key]):
+            time.sleep(ADMITTED_S)
+            if time.monotonic() - looked < CHECK_S:
+                continue
+            looked = time.monotonic()
+            if stopping():
+                return "left"
+            why = look()
+            if why is not None:
+                return why
         if self._listener is not None:  # admitted: its watchdog listens from now on
             self._listener.close()
             self._listener = None
