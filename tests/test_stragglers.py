@@ -114,6 +114,9 @@ def test_a_run_is_measured_from_its_records_and_events():
                                    {**figures, "rebalanced_fraction": 0.8})
     assert pair["ideal_fraction"] == pytest.approx(0.1 / 0.11)
     assert pair["win_back"] == pytest.approx(0.3 / (0.1 / 0.11 - 0.5))
+    unchanged = stragglers.pair_figures({"slowed_fraction": 0.8},
+                                        {"slowed_fraction": 0.75, "ideal_fraction": 1.0})
+    assert unchanged["win_back"] is None  # nothing rebalanced: nothing won or lost by it
 
 
 def test_the_table_says_every_pair_and_why_a_row_is_missing():
