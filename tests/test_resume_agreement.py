@@ -24,35 +24,40 @@ def payload(step: int, seed: int) -> dict:
             "rng": {}, "config": {}, "data": {}, "world_size": 2, "run_id": "r"}
 
 
-def agree(rank: int, world: int, store_file: str, dirs: list[str], out: str) -> None:
+def agree(rank: int, world: int, store_file: str, cases: list[list[str]], out: str) -> None:
+    """Each case's resume as rank ``rank`` finds it in its own folder ``case[rank]``, in one
+    process group (one spawn for every case: each costs the ranks' start-up)."""
     dist.init_process_group("gloo", init_method=f"file://{store_file}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     try:
         env = DistEnv(rank=rank, world_size=world, local_world_size=1, launched=True)
-        found = find_resume_payload(Path(dirs[rank]), env, torch.device("cpu"))
-        result = None if found is None else (found[0]["progress"]["step"],
-                                             state_digest(found[0]["model"]))
-        torch.save(result, f"{out}.{rank}")
+        results = []
+        for dirs in cases:
+            found = find_resume_payload(Path(dirs[rank]), env, torch.device("cpu"))
+            results.append(None if found is None else (found[0]["progress"]["step"],
+                                                       state_digest(found[0]["model"])))
+        torch.save(results, f"{out}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-def run_ranks(tmp_path: Path, dirs: list[Path]) -> list:
-    out = tmp_path / "result"
-    mp.spawn(agree, args=(len(dirs), str(tmp_path / "store"), [str(d) for d in dirs], str(out)),
-             nprocs=len(dirs), join=True)
-    return [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(len(dirs))]
+def run_ranks(tmp_path: Path, cases: list[list[Path]]) -> list[list]:
+    """Every case's result, case by case, rank by rank."""
+    out, world = tmp_path / "result", len(cases[0])
+    mp.spawn(agree, args=(world, str(tmp_path / "store"),
+                          [[str(d) for d in dirs] for dirs in cases], str(out)),
+             nprocs=world, join=True)
+    by_rank = [torch.load(f"{out}.{rank}", weights_only=False) for rank in range(world)]
+    return [list(results) for results in zip(*by_rank, strict=True)]
 
 
-def test_the_rank_holding_the_newest_checkpoint_shares_it(tmp_path):
+def test_the_rank_holding_the_newest_checkpoint_shares_it_and_none_anywhere_is_a_fresh_start(
+        tmp_path):
     node0, node1 = tmp_path / "node0", tmp_path / "node1"
     write_checkpoint(node0, payload(5, seed=1), restart_generation=0, keep_last=3)
     write_checkpoint(node1, payload(5, seed=1), restart_generation=0, keep_last=3)
     write_checkpoint(node1, payload(9, seed=2), restart_generation=1, keep_last=3)
-    results = run_ranks(tmp_path, [node0, node1])
+    shared, fresh = run_ranks(tmp_path, [[node0, node1], [tmp_path / "a", tmp_path / "b"]])
     expected = (9, state_digest(build_model(2).state_dict()))
-    assert results == [expected, expected]
-
-
-def test_no_checkpoint_anywhere_means_a_fresh_start(tmp_path):
-    assert run_ranks(tmp_path, [tmp_path / "a", tmp_path / "b"]) == [None, None]
+    assert shared == [expected, expected]
+    assert fresh == [None, None]
