@@ -122,8 +122,9 @@ churn: $(STAMP)  ## 3 nodes × 2 workers, a fault every 20-30 s for 10 minutes
 partitions: $(STAMP)  ## 3 nodes × 2 workers, each a host of its own: links cut, slowed, healed
 	$(BIN)/python scripts/partitions.py $(PARTITIONS_ARGS)
 
-# One node of 3 × 2 slowed 1.5x, 2x and 4x (its share of the cores cut, by SIGSTOP and SIGCONT;
-# and its data link slowed by tc tbf where hosts of their own can be had): the job's throughput
+# One node of 3 × 2 slowed 1.5x, 2x and 4x (each node a cgroup's third of the cores, node 2's
+# quota cut to 1/k; without cgroups a time share by SIGSTOP and SIGCONT; and its data link slowed
+# by tc tbf where hosts of their own can be had): the job's throughput
 # without mitigation, with --balance, and the ideal, a pair of runs a slowdown; the seconds to
 # detection and exactly-once (about 20 minutes on 2 cores). Writes docs/stragglers.png;
 # STRAGGLERS_ARGS="--factors 2 --no-tbf" runs one pair (4 to 7 minutes).

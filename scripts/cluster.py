@@ -8,6 +8,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import hosts
@@ -46,12 +47,16 @@ class Cluster:
 
     def __init__(self, workdir: Path, train_args: list[str], max_nodes: int, store: str,
                  env: dict[str, str], nproc_per_node: int = 1, launch: str = "node.sh",
-                 rdzv_backend: str = "elastic-mnist", network: hosts.Network | None = None):
+                 rdzv_backend: str = "elastic-mnist", network: hosts.Network | None = None,
+                 node_prefix: Callable[[int], list[str]] | None = None):
         self.workdir, self.train_args, self.max_nodes, self.store = (workdir, train_args,
                                                                      max_nodes, store)
         self.nproc_per_node, self.launch = nproc_per_node, launch
         self.rdzv_backend = rdzv_backend
         self.network = network
+        self.node_prefix = node_prefix
+        """A command prefix for each node (by its number), outside its host's: a CPU budget's
+        (scripts/cpu_groups.py), say."""
         self.port = STORE_PORT if network else free_port()
         self.endpoint_host = ("127.0.0.1" if network is None else
                               netfaults.STORE_HOST if store == "external" else "node0")
@@ -98,6 +103,8 @@ class Cluster:
             self.host_of[node] = host
             cmd = self.network.command(host, cmd)
             env = {**env, "GLOO_SOCKET_IFNAME": hosts.INNER["data"]}
+        if self.node_prefix is not None:
+            cmd = [*self.node_prefix(node), *cmd]
         log = open(self.workdir / f"node{node}.log", "w")  # noqa: SIM115 - the child's
         self.nodes[node] = subprocess.Popen(cmd, cwd=self.workdir, env=env, stdout=log,
                                             stderr=subprocess.STDOUT, start_new_session=True)

@@ -2,7 +2,7 @@
 """Stragglers: what one slow node costs the job, what ``--balance`` wins back, and the ideal.
 
     scripts/stragglers.py [--factors 1.5,2,4] [--steps 160] [--no-tbf] [--tbf-rate 4mbit]
-                          [--cores N] [--json FILE] [--plot FILE.png]
+                          [--cores N] [--time-share] [--json FILE] [--plot FILE.png]
 
 3 nodes × 2 workers on this machine (chaos.py's Cluster: each node its own torchrun agent through
 ``jobs/node.sh``, the store served by ``elastic-mnist rendezvous``), synthetic digits, the job's
@@ -13,6 +13,12 @@ after the other: without mitigation (``--no-balance``) and with ``--balance``, t
 alternated from one factor to the next (no-balance first for the first factor), so that the
 machine's drift does not favour one of them. The slowdown:
 
+    k× (cgroup quota) each node runs in a cgroup of its own (scripts/cpu_groups.py), made before
+                     it starts, whose CPU bandwidth the kernel holds to ``--cores`` / 3 cores (a
+                     machine of its own, the cores shared evenly; all nodes run at once); from
+                     LEAD_STEP node 2's quota is cut to 1/k of that: a k times slower machine,
+                     throttled by the kernel every period (PERIOD_US). Where cgroups cannot be
+                     had (not root, no cpu controller), or with ``--time-share``:
     k× (time share)  from the job's first step, each node's workers run only in their window of
                      every PERIOD_S and are stopped (SIGSTOP) for the rest, continued (SIGCONT) at
                      their turn (:class:`TimeShare`); from LEAD_STEP node 2's window is cut to 1/k
@@ -20,15 +26,17 @@ machine's drift does not favour one of them. The slowdown:
                      window is the whole period and node 2 is simply stopped for (1 - 1/k) of each
     tbf              (where ``scripts/hosts.py check`` says a link can be slowed: root, network
                      namespaces) each node a host of its own (chaos.py's ``--hosts netns``), the
-                     same time share, and node 2's data link slowed to ``--tbf-rate`` both ways
-                     from LEAD_STEP (``tc tbf``, hosts.Network.slow); one pair of runs. Without it,
-                     its row says why
+                     same budgets (or time share), and node 2's data link slowed to
+                     ``--tbf-rate`` both ways from LEAD_STEP (``tc tbf``, hosts.Network.slow);
+                     one pair of runs. Without it, its row says why
 
-Why a time share and not node 2 alone stopped and continued: on fewer cores than ranks the nodes
+Why budgets and not node 2 alone stopped and continued: on fewer cores than ranks the nodes
 compete for them, a node stopped leaves its cores to the others, and the scheduler gives a
 process continued after a stop what it missed (see :class:`TimeShare`): slowed so, node 2 was not
-slower than its peers. The price: every collective waits for the nodes' turns, which adds to the
-step what machines of their own would not (here most of the step: see the docs' figures).
+slower than its peers. The time share mends that at a price: every collective waits for the
+nodes' turns, which adds to the step what machines of their own would not (most of the step:
+see the docs' figures), so a slow node costs less there, and less can be won back. A cgroup's
+quota is the same duty cycle done by the kernel, with nothing given back and no turns.
 
 Per run, from the audit records (``compute_s``: each rank's own compute seconds of a step) and
 events.jsonl: the clean rate (samples/s, steps CLEAN_FROM to LEAD_STEP); the slowed rate, from
@@ -48,8 +56,12 @@ words), or the clean rate scaled by S's ratio, would count that rest as if it sh
 with the compute: no job reaches the bare S even clean. The speeds are the ``--balance`` run's
 after its rebalance: there every rank computes all through the step, as the ideal assumes
 (without mitigation the fast ranks wait, and their speed is judged on less work; both runs' are
-in ``--json``). Win-back, on the fractions of each run's clean rate: (balanced − unmitigated) /
-(ideal − unmitigated), the balanced rate after the rebalance; the issue's target is at least 0.8.
+in ``--json``). Under budgets the rest of the step has a part that does scale with node 2's
+slowdown: its workers' share of the collectives (gloo's sums and copies on the CPU) runs at its
+quota too, as it would on a slow machine; the ideal keeps it as it was clean, so it is a bound
+that shares of compute alone cannot quite reach. Win-back, on the fractions of each run's clean
+rate: (balanced − unmitigated) / (ideal − unmitigated), the balanced rate after the rebalance;
+the issue's target is at least 0.8.
 
 Output: a markdown table, ``--json FILE`` with every figure, ``--plot FILE.png``: samples/s over
 time (10-step windows) of each pair, the slowdown's start, the detection and the rebalance marked.
@@ -76,9 +88,11 @@ from typing import Self
 
 import chaos
 import check_audit
+import cpu_groups
 import hosts
 import netfaults
 from cluster import Cluster, network_hosts, worker_pids
+from cpu_groups import CpuGroups
 from processes import job_env
 
 from elastic_mnist.events import event_time
@@ -109,6 +123,8 @@ RATE_WINDOW = 10
 """The plot's rate: over the last this many steps (a step is about a second here)."""
 TIMEOUT_S = 600.0
 """A run's whole time at most."""
+CGROUP_QUOTA, TIME_SHARE = "cgroup quota", "time share"
+"""How the nodes were given their cores and node 2 slowed, as the table says it."""
 
 
 def windows(nodes: int, nproc: int, cores: int) -> list[tuple[float, float]]:
@@ -237,11 +253,13 @@ class Run:
 
     name: str
     factor: float | None
-    """Node 2's slowdown in the time share; None for the tbf runs."""
+    """Node 2's slowdown (its quota or its turn 1/k of itself); None for the tbf runs."""
     balance: bool
     slow_at: float = 0.0
     slow_step: int = 0
     duty: float | None = None
+    """Node 2 since its slowdown: the CPU it used as a share of its unslowed budget, or in the
+    time share the share of the time it ran (1/k of its window's at most)."""
     figures: dict = field(default_factory=dict)
 
 
@@ -353,16 +371,14 @@ def train_args(data: Path, shared: Path, steps: int, balance: bool) -> list[str]
 
 
 @contextlib.contextmanager
-def slowed(run: Run, cluster: Cluster, share: TimeShare, tbf_rate: str) -> Iterator[None]:
-    """Node VICTIM slowed while the block runs: its window of the time share 1/k of itself, or
-    its data link by tc tbf (undone on the way out, whatever ends the block)."""
+def slowed(run: Run, cluster: Cluster, slower: CpuGroups | TimeShare,
+           tbf_rate: str) -> Iterator[None]:
+    """Node VICTIM slowed while the block runs: its quota or its window of the time share 1/k of
+    itself, or its data link by tc tbf (undone on the way out, whatever ends the block)."""
     run.slow_at = time.time()
     if run.factor is not None:
-        share.slow(VICTIM, run.factor)
-        try:
-            yield
-        finally:
-            run.duty = share.duty(VICTIM)
+        slower.slow(VICTIM, run.factor)
+        yield
         return
     host = cluster.host_of[VICTIM]
     try:
@@ -373,29 +389,38 @@ def slowed(run: Run, cluster: Cluster, share: TimeShare, tbf_rate: str) -> Itera
 
 
 def run_job(run: Run, root: Path, data: Path, steps: int, env: dict[str, str],
-            network: hosts.Network | None, cores: int, tbf_rate: str) -> dict:
-    """One job of 3 × 2, each node its share of the cores from its first step, node VICTIM
-    slowed from LEAD_STEP; its figures and its audit's problems."""
+            network: hosts.Network | None, cores: float, tbf_rate: str, budgets: bool) -> dict:
+    """One job of 3 × 2, each node its share of the cores from its first step (a cgroup's
+    budget, else a time share), node VICTIM slowed from LEAD_STEP; its figures and its audit's
+    problems. The groups are removed on the way out, whatever ends the run."""
     workdir = root / run.name
     shared = workdir / "shared"
     workdir.mkdir(parents=True)
-    cluster = Cluster(workdir, train_args(data, shared, steps, run.balance), NODES, "external",
-                      env, NPROC, network=network)
     observer = chaos.Observer(shared / "runs" / "chaos")
     deadline = time.time() + TIMEOUT_S
-    try:
-        cluster.start_store()
-        for _ in range(NODES):
-            cluster.start_node()
-        chaos.watch_start(observer, deadline)
-        workers = [worker_pids(cluster.nodes[n].pid) for n in range(NODES)]
-        with TimeShare(workers, cores) as share:
-            wait(lambda: observer.step() >= LEAD_STEP, deadline, f"step {LEAD_STEP}")
-            run.slow_step = observer.step()
-            with slowed(run, cluster, share, tbf_rate):
-                wait(observer.finished, deadline, "the job's end")
-    finally:
-        cluster.stop()
+    with CpuGroups(NODES, cores) if budgets else contextlib.nullcontext() as groups:
+        cluster = Cluster(workdir, train_args(data, shared, steps, run.balance), NODES,
+                          "external", env, NPROC, network=network,
+                          node_prefix=None if groups is None else groups.prefix)
+        try:
+            cluster.start_store()
+            for _ in range(NODES):
+                cluster.start_node()
+            chaos.watch_start(observer, deadline)
+            workers = [worker_pids(cluster.nodes[n].pid) for n in range(NODES)]
+            if groups is not None:
+                check_joined(groups, workers)
+            with (contextlib.nullcontext(groups) if groups
+                  else TimeShare(workers, round(cores))) as slower:
+                wait(lambda: observer.step() >= LEAD_STEP, deadline, f"step {LEAD_STEP}")
+                run.slow_step = observer.step()
+                with slowed(run, cluster, slower, tbf_rate):
+                    # node 2's use of its share while its workers are alive to say it
+                    wait(lambda: observer.step() >= steps - 1, deadline, f"step {steps - 1}")
+                    run.duty = slower.duty(VICTIM) if run.factor is not None else None
+                    wait(observer.finished, deadline, "the job's end")
+        finally:
+            cluster.stop()
     problems = check_audit.check(observer.run_dir, STEPS_PER_EPOCH * GLOBAL_BATCH,
                                  every_rank_busy=True)
     events = observer.events()
@@ -404,6 +429,15 @@ def run_job(run: Run, root: Path, data: Path, steps: int, env: dict[str, str],
     records = observer.audit()
     return {**measure(run, records, events), "audit": problems,
             "series": series(records, run.slow_at)}
+
+
+def check_joined(groups: CpuGroups, workers: list[list[int]]) -> None:
+    """Every node's workers are in its group (born there: the agent joined it before it forked
+    them); else the budgets would not hold them, and the run is the harness's failure."""
+    for node, pids in enumerate(workers):
+        outside = sorted(set(pids) - set(groups.pids(node)))
+        if outside or not pids:
+            raise RuntimeError(f"node {node}'s workers {outside or pids} are not in its cgroup")
 
 
 def wait(done, deadline: float, what: str) -> None:
@@ -440,7 +474,7 @@ def table(rows: dict[str, dict], tbf_rate: str) -> str:
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for label, row in rows.items():
         what = (f"data link at {tbf_rate} (tc tbf)" if label == "tbf"
-                else f"{label} (time share)")
+                else f"{label} ({row.get('slowed_by', TIME_SHARE)})")
         if "skipped" in row or "error" in row:
             said = row.get("skipped") or f"harness failed: {row['error']}"
             lines.append(f"| {what} | {said} | — | — | — | — | — | — | — | — |")
@@ -522,10 +556,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tbf-rate", default=DEFAULT_TBF_RATE,
                         help=f"node 2's data link in the tbf pair, tc's words "
                              f"({DEFAULT_TBF_RATE})")
-    parser.add_argument("--cores", type=int, default=0,
+    parser.add_argument("--cores", type=float, default=0,
                         help="the cores the nodes share (0: this process's, "
-                             f"{len(os.sched_getaffinity(0))} here); fewer than the "
+                             f"{len(os.sched_getaffinity(0))} here): each node's budget is a "
+                             f"{NODES}rd of them; in the time share, fewer than the "
                              f"{NODES * NPROC} ranks: the nodes take turns on them")
+    parser.add_argument("--time-share", action="store_true",
+                        help="slow node 2 by the time share even where cgroups can be had")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
     parser.add_argument("--plot", type=Path, default=None,
                         help="samples/s over time of every pair (PNG)")
@@ -549,8 +586,15 @@ def main(argv: list[str] | None = None) -> int:
                    env=env, check=True, stdout=subprocess.DEVNULL)
     unavailable = hosts.unavailable() or hosts.capabilities().get("slow")
     plan = pairs(factors, args.tbf and not unavailable)
+    no_cgroups = "--time-share" if args.time_share else cpu_groups.unavailable()
+    budgets = no_cgroups is None
+    slowed_by = CGROUP_QUOTA if budgets else TIME_SHARE
+    for name in cpu_groups.remove_stale():
+        print(f"stragglers: removed a stale cgroup, {name}", flush=True)
     print(f"stragglers: {NODES} nodes × {NPROC} workers, node {VICTIM} slowed from step "
-          f"{LEAD_STEP} of {args.steps}; {len(plan)} pairs; work folder {root}", flush=True)
+          f"{LEAD_STEP} of {args.steps} by {slowed_by}"
+          f"{'' if budgets else f' ({no_cgroups})'}; {len(plan)} pairs; work folder {root}",
+          flush=True)
     started = time.time()
     rows: dict[str, dict] = {}
     for label, runs in plan:
@@ -562,7 +606,7 @@ def main(argv: list[str] | None = None) -> int:
             for run in runs:
                 print(f"stragglers: {run.name}", flush=True)
                 row["balance" if run.balance else "no-balance"] = run_job(
-                    run, root, data, args.steps, env, network, cores, args.tbf_rate)
+                    run, root, data, args.steps, env, network, cores, args.tbf_rate, budgets)
         except Exception as e:  # noqa: BLE001 - the harness's failure, said in its row
             row = {"error": f"{type(e).__name__}: {e}"}
         finally:
@@ -570,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
                 network.close()
         if "error" not in row:
             row.update(pair_figures(row["no-balance"], row["balance"]))
+        row["slowed_by"] = slowed_by
         rows[label] = row
         print(table({label: row}, args.tbf_rate).splitlines()[-1], flush=True)
     if args.tbf and unavailable:

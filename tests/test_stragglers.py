@@ -1,12 +1,14 @@
-"""scripts/stragglers.py's arithmetic and its time share, without a launch (well under a second):
-the nodes' windows, one period's signals, the ideal and the win-back from fabricated audit
-records and events, the table, and the time share on a child that sleeps. A real run is
-`make stragglers`.
+"""scripts/stragglers.py's arithmetic, its time share and its CPU budgets, without a launch
+(about a second): the nodes' windows, one period's signals, the ideal and the win-back from
+fabricated audit records and events, the table, the time share on a child that sleeps, and a
+busy child held to a quarter of a core by its cgroup (scripts/cpu_groups.py; skipped where
+cgroups cannot be had). A real run is `make stragglers`.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import signal
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 
+import cpu_groups
 import stragglers
 from stragglers import GLOBAL_BATCH, LEAD_STEP, Run
 
@@ -58,6 +61,45 @@ def test_the_time_share_stops_a_child_for_its_share_and_continues_it_at_the_end(
     finally:
         child.kill()
         child.wait()
+
+
+def test_a_cgroup_holds_a_busy_child_to_its_quota_and_is_removed_after():
+    why = cpu_groups.unavailable()
+    if why:
+        pytest.skip(f"no CPU budgets here: {why}")
+    groups = cpu_groups.CpuGroups(nodes=1, cores=0.25, name=f"em-stragglers-{os.getpid()}-test")
+    with groups:
+        child = subprocess.Popen([*groups.prefix(0), "sh", "-c", "while :; do :; done"])
+        try:
+            time.sleep(0.1)
+            assert groups.pids(0) == [child.pid]  # born in its group: sh wrote itself there
+            busy = psutil.Process(child.pid)
+            before, began = sum(busy.cpu_times()[:2]), time.monotonic()
+            time.sleep(1.0)
+            cores = (sum(busy.cpu_times()[:2]) - before) / (time.monotonic() - began)
+            assert 0.12 < cores < 0.3  # a quarter; less where the machine is busier still
+            groups.slow(0, 2.0)
+            assert groups.quota(0) == pytest.approx(0.125)
+        finally:
+            child.kill()
+            child.wait()
+    assert not any(g.exists() for g in groups.groups)
+
+
+def test_the_groups_of_a_harness_that_died_are_removed():
+    why = cpu_groups.unavailable()
+    if why:
+        pytest.skip(f"no CPU budgets here: {why}")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    groups = cpu_groups.CpuGroups(nodes=2, cores=1, name=f"em-stragglers-{dead.pid}")
+    groups.__enter__()  # left behind, as by a harness killed outright
+    try:
+        removed = cpu_groups.remove_stale()
+        assert {g.name for g in groups.groups} <= set(removed)
+        assert not any(g.exists() for g in groups.groups)
+    finally:
+        groups.close()
 
 
 def records(slow_from: int, last: int, slow_ranks: dict[int, float],
@@ -126,8 +168,11 @@ def test_the_table_says_every_pair_and_why_a_row_is_missing():
                 "rebalanced_fraction": 0.8, "shares": [20, 20, 20, 20, 8, 8]}
     rows = {"2×": {"no-balance": run, "balance": balanced, "ideal_fraction": 0.84,
                    "win_back": 0.88},
+            "4×": {"no-balance": run, "balance": balanced, "ideal_fraction": 0.84,
+                   "win_back": 0.88, "slowed_by": stragglers.CGROUP_QUOTA},
             "tbf": {"skipped": "not here: no tc"}}
     lines = stragglers.table(rows, "20mbit").splitlines()
     assert lines[2] == ("| 2× (time share) | 900, 900 | 450 (50%) | 700 (78%) | 720 (80%) | "
                         "84% | 88% | 12.5, 12.5 | 20, 20, 20, 20, 8, 8 | yes |")
-    assert lines[3].startswith("| data link at 20mbit (tc tbf) | not here: no tc |")
+    assert lines[3].startswith("| 4× (cgroup quota) | 900, 900 |")
+    assert lines[4].startswith("| data link at 20mbit (tc tbf) | not here: no tc |")
