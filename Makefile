@@ -126,8 +126,8 @@ partitions: $(STAMP)  ## 3 nodes × 2 workers, each a host of its own: links cut
 # quota cut to 1/k; without cgroups a time share by SIGSTOP and SIGCONT; and its data link slowed
 # by tc tbf where hosts of their own can be had): the job's throughput
 # without mitigation, with --balance, and the ideal, a pair of runs a slowdown; the seconds to
-# detection and exactly-once (about 20 minutes on 2 cores). Writes docs/stragglers.png;
-# STRAGGLERS_ARGS="--factors 2 --no-tbf" runs one pair (4 to 7 minutes).
+# detection and exactly-once (about 11 minutes on 2 cores). Writes docs/stragglers.png;
+# STRAGGLERS_ARGS="--factors 2 --no-tbf" runs one pair (2 to 4 minutes).
 stragglers: $(STAMP)  ## 3 nodes × 2 workers, one slowed: what --balance wins back
 	$(BIN)/python scripts/stragglers.py --plot docs/stragglers.png $(STRAGGLERS_ARGS)
 

@@ -2,7 +2,8 @@
 """Stragglers: what one slow node costs the job, what ``--balance`` wins back, and the ideal.
 
     scripts/stragglers.py [--factors 1.5,2,4] [--steps 160] [--no-tbf] [--tbf-rate 4mbit]
-                          [--cores N] [--time-share] [--json FILE] [--plot FILE.png]
+                          [--cores N] [--period-us US] [--time-share] [--json FILE]
+                          [--plot FILE.png]
 
 3 nodes × 2 workers on this machine (chaos.py's Cluster: each node its own torchrun agent through
 ``jobs/node.sh``, the store served by ``elastic-mnist rendezvous``), synthetic digits, the job's
@@ -17,7 +18,7 @@ machine's drift does not favour one of them. The slowdown:
                      it starts, whose CPU bandwidth the kernel holds to ``--cores`` / 3 cores (a
                      machine of its own, the cores shared evenly; all nodes run at once); from
                      LEAD_STEP node 2's quota is cut to 1/k of that: a k times slower machine,
-                     throttled by the kernel every period (PERIOD_US). Where cgroups cannot be
+                     throttled by the kernel every period (``--period-us``). Where cgroups cannot be
                      had (not root, no cpu controller), or with ``--time-share``:
     k× (time share)  from the job's first step, each node's workers run only in their window of
                      every PERIOD_S and are stopped (SIGSTOP) for the rest, continued (SIGCONT) at
@@ -65,8 +66,9 @@ the issue's target is at least 0.8.
 
 Output: a markdown table, ``--json FILE`` with every figure, ``--plot FILE.png``: samples/s over
 time (10-step windows) of each pair, the slowdown's start, the detection and the rebalance marked.
-Exit 1 where the harness failed or a sample was lost or doubled. A pair takes 4 to 7 minutes on
-2 cores, ``make stragglers`` (3 factors and tbf) about 20; ``--factors 2 --no-tbf`` checks it.
+Exit 1 where the harness failed or a sample was lost or doubled. A pair takes 2 to 4 minutes on
+2 cores (4 to 7 in the time share), ``make stragglers`` (3 factors and tbf) about 11;
+``--factors 2 --no-tbf`` checks it.
 """
 
 from __future__ import annotations
@@ -389,16 +391,18 @@ def slowed(run: Run, cluster: Cluster, slower: CpuGroups | TimeShare,
 
 
 def run_job(run: Run, root: Path, data: Path, steps: int, env: dict[str, str],
-            network: hosts.Network | None, cores: float, tbf_rate: str, budgets: bool) -> dict:
+            network: hosts.Network | None, cores: float, tbf_rate: str,
+            period_us: int | None) -> dict:
     """One job of 3 × 2, each node its share of the cores from its first step (a cgroup's
-    budget, else a time share), node VICTIM slowed from LEAD_STEP; its figures and its audit's
-    problems. The groups are removed on the way out, whatever ends the run."""
+    budget of every ``period_us``; None: a time share), node VICTIM slowed from
+    LEAD_STEP; its figures and its audit's problems. The groups are removed on the way out,
+    whatever ends the run."""
     workdir = root / run.name
     shared = workdir / "shared"
     workdir.mkdir(parents=True)
     observer = chaos.Observer(shared / "runs" / "chaos")
     deadline = time.time() + TIMEOUT_S
-    with CpuGroups(NODES, cores) if budgets else contextlib.nullcontext() as groups:
+    with (CpuGroups(NODES, cores, period_us) if period_us else contextlib.nullcontext()) as groups:
         cluster = Cluster(workdir, train_args(data, shared, steps, run.balance), NODES,
                           "external", env, NPROC, network=network,
                           node_prefix=None if groups is None else groups.prefix)
@@ -561,6 +565,10 @@ def main(argv: list[str] | None = None) -> int:
                              f"{len(os.sched_getaffinity(0))} here): each node's budget is a "
                              f"{NODES}rd of them; in the time share, fewer than the "
                              f"{NODES * NPROC} ranks: the nodes take turns on them")
+    parser.add_argument("--period-us", type=int, default=cpu_groups.PERIOD_US,
+                        help="the budgets' period in microseconds: node 2's quota is 1/k of its "
+                             f"share of it, at least {cpu_groups.MIN_QUOTA_US} "
+                             f"({cpu_groups.PERIOD_US})")
     parser.add_argument("--time-share", action="store_true",
                         help="slow node 2 by the time share even where cgroups can be had")
     parser.add_argument("--json", type=Path, default=None, help="also write every figure here")
@@ -576,6 +584,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < LEAD_STEP + 60:
         parser.error(f"--steps: at least {LEAD_STEP + 60} (slowed from step {LEAD_STEP})")
     cores = args.cores or len(os.sched_getaffinity(0))
+    least = args.period_us * cores / NODES / max(factors, default=1)
+    if least < cpu_groups.MIN_QUOTA_US and not args.time_share:
+        parser.error(f"--period-us: node 2's quota would be {least:.0f} µs, under the kernel's "
+                     f"least, {cpu_groups.MIN_QUOTA_US}: a longer period, or smaller --factors")
     sys.setswitchinterval(0.001)  # the time share's thread takes the GIL within a millisecond
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     root = Path(tempfile.mkdtemp(prefix="stragglers-"))
@@ -587,13 +599,13 @@ def main(argv: list[str] | None = None) -> int:
     unavailable = hosts.unavailable() or hosts.capabilities().get("slow")
     plan = pairs(factors, args.tbf and not unavailable)
     no_cgroups = "--time-share" if args.time_share else cpu_groups.unavailable()
-    budgets = no_cgroups is None
-    slowed_by = CGROUP_QUOTA if budgets else TIME_SHARE
+    period_us = args.period_us if no_cgroups is None else None
+    slowed_by = CGROUP_QUOTA if period_us else TIME_SHARE
     for name in cpu_groups.remove_stale():
         print(f"stragglers: removed a stale cgroup, {name}", flush=True)
     print(f"stragglers: {NODES} nodes × {NPROC} workers, node {VICTIM} slowed from step "
           f"{LEAD_STEP} of {args.steps} by {slowed_by}"
-          f"{'' if budgets else f' ({no_cgroups})'}; {len(plan)} pairs; work folder {root}",
+          f"{'' if period_us else f' ({no_cgroups})'}; {len(plan)} pairs; work folder {root}",
           flush=True)
     started = time.time()
     rows: dict[str, dict] = {}
@@ -606,7 +618,7 @@ def main(argv: list[str] | None = None) -> int:
             for run in runs:
                 print(f"stragglers: {run.name}", flush=True)
                 row["balance" if run.balance else "no-balance"] = run_job(
-                    run, root, data, args.steps, env, network, cores, args.tbf_rate, budgets)
+                    run, root, data, args.steps, env, network, cores, args.tbf_rate, period_us)
         except Exception as e:  # noqa: BLE001 - the harness's failure, said in its row
             row = {"error": f"{type(e).__name__}: {e}"}
         finally:
