@@ -67,7 +67,8 @@ def test_a_cgroup_holds_a_busy_child_to_its_quota_and_is_removed_after():
     why = cpu_groups.unavailable()
     if why:
         pytest.skip(f"no CPU budgets here: {why}")
-    groups = cpu_groups.CpuGroups(nodes=1, cores=0.25, name=f"em-stragglers-{os.getpid()}-test")
+    groups = cpu_groups.CpuGroups(nodes=1, cores=0.25, period_us=20_000,
+                                  name=f"em-stragglers-{os.getpid()}-test")
     with groups:
         child = subprocess.Popen([*groups.prefix(0), "sh", "-c", "while :; do :; done"])
         try:
