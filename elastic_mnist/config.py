@@ -136,8 +136,10 @@ class RunConfig:
     balance: bool = False
     """While pace.py names a rank a straggler, share each step's micro-batches among the ranks in
     proportion to their measured speed, with hysteresis; even shares otherwise, and the update the
-    same up to the order of its sums (docs/performance.md). Off until make stragglers has
-    measured what it wins."""
+    same up to the order of its sums (docs/performance.md). Off by default: it wins nothing where
+    no node is slow, and a rank named on a machine whose cores its ranks share (a laptop, a CI
+    runner) would cost the run its bitwise reproducibility; on for nodes that are machines of
+    their own (make stragglers: 94 % of a 2x-slow node's cost won back)."""
     evict_slower_than: float = 0.0
     """Let a node go, in process, once a rank of it has been named a straggler this many times
     slower than its peers' median for --evict-after seconds; it comes back by the join path once
