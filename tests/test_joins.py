@@ -74,12 +74,20 @@ def start_joiners(tmp_path: Path, args: list[str], env: dict[str, str],
 def worker(agent: subprocess.Popen, rank: int) -> psutil.Process:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        found = [p for p in psutil.Process(agent.pid).children()
-                 if p.environ().get("RANK") == str(rank)]
+        found = [p for p in psutil.Process(agent.pid).children() if rank_of(p) == str(rank)]
         if found:
             return found[0]
         time.sleep(0.1)
     raise AssertionError(f"no worker of rank {rank}")
+
+
+def rank_of(process: psutil.Process, name: str = "RANK") -> str | None:
+    """A child's ``RANK`` (or ``name``); None for one gone as it was read (the agent's
+    short-lived children: one ended between the listing and the read once)."""
+    try:
+        return process.environ().get(name)
+    except psutil.NoSuchProcess:
+        return None
 
 
 class Watched:
@@ -328,8 +336,9 @@ def test_nodes_join_a_job_under_our_rendezvous_in_process(tiny_digits, tmp_path)
     logs, recorded, wait_for = job.logs, job.recorded, job.wait_for
 
     def workers(name: str) -> dict[int, psutil.Process]:
-        return {int(p.environ()["LOCAL_RANK"]): p
-                for p in psutil.Process(agents[name].pid).children()}
+        children = psutil.Process(agents[name].pid).children()
+        return {int(rank_of(p, "LOCAL_RANK")): p for p in children
+                if rank_of(p, "LOCAL_RANK") is not None}
 
     try:
         agent("A")
