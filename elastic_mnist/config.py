@@ -139,7 +139,7 @@ class RunConfig:
     same up to the order of its sums (docs/performance.md). Off by default: it wins nothing where
     no node is slow, and a rank named on a machine whose cores its ranks share (a laptop, a CI
     runner) would cost the run its bitwise reproducibility; on for nodes that are machines of
-    their own (make stragglers: 94 % of a 2x-slow node's cost won back)."""
+    their own (make stragglers: nine tenths of what a 2x-slow node costs won back)."""
     evict_slower_than: float = 0.0
     """Let a node go, in process, once a rank of it has been named a straggler this many times
     slower than its peers' median for --evict-after seconds; it comes back by the join path once

@@ -34,7 +34,7 @@ def bench_run(tmp_path, digits, *only: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.harness
+@pytest.mark.long
 def test_every_cpu_contender_writes_its_figures(tiny_digits, tmp_path):
     # What make bench runs on a CPU, but recovery_defaults, which differs from recovery_shipped
     # by its launch line only (checked below); floor and ddp, on request only, are what paired
@@ -329,7 +329,7 @@ def test_chaos_measures_the_others_longest_gap_and_the_time_back_at_full_size():
     assert join.full_s is None  # never above 4: no join was admitted
 
 
-@pytest.mark.harness
+@pytest.mark.long
 def test_scale_counts_what_the_model_says_and_times_a_hang_and_a_lost_node(tmp_path):
     """scripts/scale.py at 16 ranks (2 nodes of 8), on a real store: the steady operations it
     counts are the model's (the periods of the job's own code); the hang is declared at the

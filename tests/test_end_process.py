@@ -26,7 +26,7 @@ def test_end_process_keeps_the_code_the_log_and_the_output(tmp_path):
     assert log.read_text() == "INFO:job:the last log line\n"
 
 
-@pytest.mark.harness
+@pytest.mark.long
 def test_exit_race_script_runs_both_ways():
     done = run([sys.executable, str(REPO / "scripts" / "exit_race.py"), "--launches", "1",
                 "--nproc", "2", "--load", "0"])

@@ -83,7 +83,7 @@ def test_the_futures_probe_on_cpu_writes_its_check_left_open(tiny_digits, tmp_pa
 
 
 @pytest.mark.slow
-@pytest.mark.harness
+@pytest.mark.long
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: run the script itself")
 def test_gpu_check_dry_run_leaves_its_files(tiny_digits, tmp_path):
     """The script as run, with the interpreter it is given (the one running the suite: the

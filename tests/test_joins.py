@@ -301,6 +301,7 @@ def test_a_worker_death_costs_its_node_alone_and_the_node_joins_back_in_process(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_nodes_join_a_job_under_our_rendezvous_in_process(tiny_digits, tmp_path):
     """Real torchrun agents on our rendezvous (``--rdzv_backend=elastic-mnist``), the store
     served by `elastic-mnist rendezvous`: nodes A and B of two workers. At once a worker of B is

@@ -276,6 +276,7 @@ def test_a_run_without_faults_leaves_the_exit_barrier_to_the_agents(tiny_digits,
     assert (start["world_size"], start["recovery"]) == (2, "in-process")
 
 
+@pytest.mark.long
 def test_a_wrapper_that_hides_the_agent_is_named_at_start(tiny_digits, tmp_path):
     """A wrapper between torchrun's agent and the worker, one that forks (`torchrun --no-python
     bash -c "...; python -m elastic_mnist train ..."`, as `nsys profile` or a site's wrapper
@@ -299,6 +300,7 @@ def test_a_wrapper_that_hides_the_agent_is_named_at_start(tiny_digits, tmp_path)
         "--rdzv_endpoint it can read" in said[0]
 
 
+@pytest.mark.long
 def test_what_survivors_rely_on_from_torchrun_and_gloo(tmp_path):
     """Two plain torchrun agents, one worker each (tests/programs/frozen_peer.py): rank 1 freezes.
 

@@ -10,6 +10,7 @@ from launch import cli_cmd, run
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_reaches_97_percent_on_real_digits_in_5_epochs(real_split, tmp_path):
     done = run(cli_cmd("train", "--device", "cpu", "--data-dir", str(real_split), "--no-download",
                        "--epochs", "5",
