@@ -54,7 +54,7 @@ test: $(STAMP)  ## the whole suite but its long runs (make test-long), in TEST_W
 # The suite's long end-to-end runs, marked `long`: the measuring harnesses (bench.py's CPU
 # contenders, scale.py, the GPU check's dry run, exit_race.py), the 5 epochs to 97 % on real
 # digits, nodes joining under our rendezvous as a worker dies, what survivors rely on from
-# torchrun and gloo, a wrapper that hides the agent. About two and a half minutes on 2 cores:
+# torchrun and gloo, a wrapper that hides the agent. About two minutes on 2 cores:
 # make test keeps its 8 minutes without them, and CI runs them after it (.ci/run).
 test-long: $(STAMP)  ## the suite's long end-to-end runs (CI runs them after make test)
 	$(COMPILE_OURS)
