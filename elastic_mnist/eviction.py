@@ -36,7 +36,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import Callable
 from functools import partial
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from elastic_mnist.data.order import Shares
 from elastic_mnist.env import OUR_BACKEND
 from elastic_mnist.errors import EXIT_DROPPED, CannotRecover, first_line
 from elastic_mnist.model import build_model
@@ -84,7 +84,7 @@ class Eviction:
     def __init__(self, cfg: TrainConfig):
         self.factor = cfg.run.evict_slower_than
         self.after_s = cfg.run.evict_after
-        self.per_step = math.ceil(cfg.optim.global_batch_size / cfg.optim.micro_batch_size)
+        self.per_step = Shares(cfg.optim.global_batch_size, cfg.optim.micro_batch_size, 1).per_step
         self.since: dict[int, tuple[int, float]] = {}
         """Each candidate: the step at which it became one (the same on every rank), and when
         by this rank's clock."""
@@ -109,6 +109,13 @@ class Eviction:
             self.said_off = True
         self.active = wanted and ours
         self.since, self.oldest = {}, None
+
+    def after(self, step: int, result: StepResult, detector: StragglerDetector,
+              done: bool) -> list[int]:
+        """After the detector judged ``step``: the candidates followed, and the ranks that leave
+        (:meth:`follow`, then :meth:`decide`)."""
+        self.follow(step, detector)
+        return self.decide(step, result, detector, done)
 
     def follow(self, step: int, detector: StragglerDetector) -> None:
         """After the detector judged ``step``: who is a candidate, and since when."""

@@ -319,9 +319,8 @@ class Trainer:
             self.count_nonfinite(result)
             self.pace.observe(self.progress.step, self.balance.at_equal_shares(result))
             self.balance.follow(self.progress.step, self.pace.detector)
-            self.eviction.follow(self.progress.step, self.pace.detector)
-            result.evicted = self.eviction.decide(self.progress.step, result,
-                                                  self.pace.detector, self.done())
+            result.evicted = self.eviction.after(self.progress.step, result, self.pace.detector,
+                                                 self.done())
             self.report.step(result, epoch_ended, changed)
         if epoch_ended or self.done():
             self.report.evaluation()
