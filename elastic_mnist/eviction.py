@@ -173,7 +173,7 @@ class Eviction:
                         record["for_s"], self.factor, self.after_s)
         self.writers.events.emit("evicted", step, **{k: v for k, v in record.items()
                                                      if k != "step"})
-        if self.env.rank in ranks and self.env.local_rank == 0:
+        if self.env.rank in ranks:  # every one of them: its siblings may be gone before it writes
             me = self.membership.identity  # type: ignore[attr-defined]
             try:  # for the node's next workers (Probation); without it they join untried
                 self.membership.store.set(record_key(*me.node), json.dumps(record))  # type: ignore[attr-defined]
@@ -184,20 +184,36 @@ class Eviction:
 
     def around(self, named: list[int]) -> dict[int, Identity]:
         """The identities of the ranks that may share a node with ``named``: the generation's,
-        where this rank read them already (a watcher), else those within a node's size of each
-        (torchrun numbers ranks node by node, every change keeps their order, and every node of
-        our rendezvous has as many workers): a few reads, where every rank reading every
-        identity was W² of them."""
+        where this rank read them already (a watcher), else each named rank's node whole, read
+        outwards from it a node's size at a time until a rank of another node (or the world's
+        end) bounds it on both sides (torchrun numbers ranks node by node and every change keeps
+        their order; nodes may differ in size after a change): a few reads, where every rank
+        reading every identity was W² of them."""
         known = self.membership.known  # type: ignore[attr-defined]
         if known.ready and UNKNOWN not in known.read().values():
             return known.read()
-        span, size = self.env.local_world_size, self.env.world_size
-        wanted = sorted({q for r in named for q in range(max(0, r - span + 1),
-                                                          min(size, r + span))})
-        keys = [self.membership.key(f"id/{q}") for q in wanted]  # type: ignore[attr-defined]
-        found = read_present(self.membership.store, keys)  # type: ignore[attr-defined]
-        return {q: Identity(**json.loads(found[key])) for q, key in zip(wanted, keys)
-                if key in found}
+        span, size = max(1, self.env.local_world_size), self.env.world_size
+        found: dict[int, Identity] = {}
+
+        def read(ranks: range) -> None:
+            wanted = [q for q in ranks if 0 <= q < size and q not in found]
+            keys = [self.membership.key(f"id/{q}") for q in wanted]  # type: ignore[attr-defined]
+            got = read_present(self.membership.store, keys)  # type: ignore[attr-defined]
+            found.update({q: Identity(**json.loads(got[key])) for q, key in zip(wanted, keys)
+                          if key in got})
+
+        for r in named:
+            read(range(r - span + 1, r + span))
+            node = found[r].node
+            for way in (-1, 1):
+                edge = r
+                while 0 <= edge + way < size:
+                    if edge + way not in found:
+                        read(range(edge + way, edge + way + way * span, way))
+                    if edge + way not in found or found[edge + way].node != node:
+                        break
+                    edge += way
+        return found
 
 
 def evicted(step: int) -> int:

@@ -141,6 +141,20 @@ def test_a_rank_that_has_not_read_the_identities_reads_a_nodes_size_around_each_
     assert e.vote() and e.decide(40, result_of(True), detector, done=False) == [4, 5]
 
 
+def test_a_rank_of_a_node_short_of_a_worker_reads_the_named_node_whole():
+    """After a change a node may be a worker short: a rank of it (3 workers) reads on past its own
+    node's size until another node bounds the named one (4 workers), and takes it whole, as the
+    watcher does (a review's finding: it took ranks 3-5, the others 3-6)."""
+    nodes = [0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2]
+    detector = slow_detector(11, {3: 3.0})
+    for rank, read in ((0, True), (1, False), (5, False), (8, False)):
+        member = Member(rank=rank, nodes=nodes, read=read)
+        e = eviction()
+        e.enter(member.env, Writers(), member)
+        e.follow(40, detector)
+        assert e.vote() and e.decide(40, result_of(True), detector, done=False) == [3, 4, 5, 6]
+
+
 def test_under_the_factor_or_before_the_time_nobody_is_evicted():
     """A rank named at 2x is no candidate under --evict-slower-than 3; at 4x it is, but no rank
     votes before --evict-after has passed; a world of one node is never emptied."""
